@@ -1,0 +1,27 @@
+# `make train` runs the main job on the embedded defaults; `make test` runs the test suite.
+# Both create the virtual environment first (once; re-run only when pyproject.toml changes).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: setup train test bench
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# the local CPU build of torch first, so nothing pulls a CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/nearpolicy train configs/main.toml $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/rollout_throughput.py

@@ -1,0 +1,5 @@
+import sys
+
+from nearpolicy.cli import main
+
+sys.exit(main())

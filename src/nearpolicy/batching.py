@@ -1,0 +1,68 @@
+"""Rollouts -> padded tensors for the trainer. Token ids go through verbatim (invariant 3).
+
+Layout per sequence i: input_ids = prompt_ids + completion_ids, right-padded to L. Response tensors are
+[B, T] with T = the longest completion; completion token t of sequence i sits at input position
+len(prompt_i) + t and is predicted by the logits at position len(prompt_i) + t - 1."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nearpolicy.types import Rollout
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # [B, L] int64, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, L] int64
+    logit_positions: torch.Tensor  # [B, T] int64: position whose logits predict completion token t
+    completion_ids: torch.Tensor  # [B, T] int64 (pad_id at padding)
+    mask: torch.Tensor  # [B, T] bool: valid response token (within the generated length)
+    rollout_logprobs: torch.Tensor  # [B, T] float32, NaN where missing or padding
+    has_rollout: torch.Tensor  # [B, T] bool: the engine reported a log-prob for this token
+    versions: torch.Tensor  # [B, T] int64, -1 at padding
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: slice | torch.Tensor) -> "TokenBatch":
+        return TokenBatch(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
+
+
+def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int) -> TokenBatch:
+    """Build a TokenBatch. Raises ValueError for token ids outside [0, vocab_size) or an empty completion
+    list."""
+    if not rollouts:
+        raise ValueError("cannot collate an empty list of rollouts")
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
+    L, T = max(lengths), max(1, max(len(r.completion_ids) for r in rollouts))
+    B = len(rollouts)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.long)
+    positions = torch.zeros((B, T), dtype=torch.long)
+    completion = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    rollout_lp = torch.full((B, T), math.nan, dtype=torch.float32)
+    has_rollout = torch.zeros((B, T), dtype=torch.bool)
+    versions = torch.full((B, T), -1, dtype=torch.long)
+    for i, r in enumerate(rollouts):
+        ids = list(r.prompt_ids) + list(r.completion_ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"rollout of group {r.group_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        n_prompt, n = len(r.prompt_ids), len(r.completion_ids)
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        positions[i] = torch.arange(T) + n_prompt - 1
+        positions[i, n:] = n_prompt - 1  # any in-range position; masked out
+        if n:
+            completion[i, :n] = torch.tensor(r.completion_ids)
+            mask[i, :n] = True
+            known = [lp is not None and math.isfinite(lp) for lp in r.rollout_logprobs]
+            rollout_lp[i, :n] = torch.tensor([lp if ok else math.nan for lp, ok in zip(r.rollout_logprobs, known)])
+            has_rollout[i, :n] = torch.tensor(known)
+            versions[i, :n] = torch.tensor(r.versions)
+    return TokenBatch(input_ids, attention, positions, completion, mask, rollout_lp, has_rollout, versions)

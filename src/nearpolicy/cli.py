@@ -1,0 +1,59 @@
+"""Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _train(args: argparse.Namespace) -> int:
+    from nearpolicy.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.set or [])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from nearpolicy.trainer import RunExistsError, Trainer
+
+    try:
+        trainer = Trainer(cfg, resume=args.resume, log=lambda msg: print(msg, file=sys.stderr))
+    except (RunExistsError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run_dir = trainer.fit()
+    print(f"done: metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", file=sys.stderr)
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from nearpolicy.ops.advantages import ADVANTAGES
+
+    for registry in (ADVANTAGES,):
+        print(f"{registry.family}s:")
+        for entry in registry:
+            print(f"  {entry.name:<12} {entry.summary}  [{entry.source}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nearpolicy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run GRPO training from a TOML config")
+    train.add_argument("config", type=Path, nargs="?", help="TOML config (omit for the embedded defaults)")
+    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. run.steps=5")
+    train.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    train.set_defaults(func=_train)
+    lister = sub.add_parser("list", help="list registered advantage estimators, losses and corrections")
+    lister.set_defaults(func=_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

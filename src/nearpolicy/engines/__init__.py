@@ -1,0 +1,1 @@
+"""Rollout engines behind one protocol (`engines.base.RolloutEngine`); adapters import their backends lazily."""

@@ -1,0 +1,253 @@
+"""llama.cpp rollout engine on llama-cpp-python's low-level API, with our own sampling loop.
+
+Each returned log-prob is log softmax of the transformed logits the token was drawn from (engines/sampling.py),
+looked up by the sampled id (invariants 1, 2). A group of n samples evaluates its prompt once into one
+sequence, copies that KV cache to the other n - 1 sequences, and the whole wave of sequences is decoded as one
+multi-sequence batch. Weight sync = load a new GGUF (gguf_export.py) into a fresh model and context, so no
+cache of the old weights survives (invariant 9)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
+from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
+
+_SILENCE = None  # keeps the log callback alive
+
+
+def _llama():
+    import llama_cpp  # lazy: the dependency is heavy and optional for pure-math users
+
+    global _SILENCE
+    if _SILENCE is None:
+        _SILENCE = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        llama_cpp.llama_log_set(_SILENCE, ctypes.c_void_p())
+        llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+@dataclass
+class _Seq:
+    """One sequence being decoded: its slot in the KV cache and what it produced so far."""
+
+    request: GenerationRequest
+    sample_index: int
+    seq_id: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+    @property
+    def next_pos(self) -> int:
+        return len(self.request.prompt_ids) + len(self.ids) - 1
+
+
+class LlamaCppEngine:
+    """Rollout engine over one GGUF file. `max_context` bounds prompt + completion per sequence (tokens)."""
+
+    def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
+                 threads: int = 2, version: int = 0, unified_kv: bool = True):
+        self.max_context = max_context
+        self.max_parallel = max_parallel_sequences
+        self.threads = threads
+        self.unified_kv = unified_kv
+        self.version = version
+        self.path = Path(gguf_path)
+        self._model = self._ctx = self._batch = None
+        self._load(self.path)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _load(self, path: Path) -> None:
+        lib = _llama()
+        if not path.is_file():
+            raise EngineError(f"GGUF file not found: {path}")
+        mparams = lib.llama_model_default_params()
+        model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise EngineError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
+        cparams = lib.llama_context_default_params()
+        self.n_batch = max(512, self.max_parallel)
+        cparams.n_ctx = self.max_context * self.max_parallel
+        cparams.n_batch = cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = self.max_parallel
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.kv_unified = self.unified_kv
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise EngineError(f"llama.cpp could not create a context for {path}")
+        self._model, self._ctx = model, ctx
+        self._vocab = lib.llama_model_get_vocab(model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self._vocab)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self.path = path
+
+    def close(self) -> None:
+        lib = _llama()
+        if self._batch is not None:
+            lib.llama_batch_free(self._batch)
+        if self._ctx:
+            lib.llama_free(self._ctx)
+        if self._model:
+            lib.llama_model_free(self._model)
+        self._model = self._ctx = self._batch = None
+
+    def update_weights(self, source: Path | dict, version: int) -> None:
+        """Reload from a GGUF file written by gguf_export; drops every cache of the previous weights."""
+        if not isinstance(source, (str, Path)):
+            raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf_export.py)")
+        self.close()
+        self._load(Path(source))
+        self.version = version
+
+    # -- low-level decode ------------------------------------------------------------------------
+    def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """Decode (token, pos, seq_id, want_logits) entries in chunks of n_batch; returns the logits rows
+        [n_wanted, V] float32 in entry order."""
+        lib = _llama()
+        rows = []
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            b = self._batch
+            for i, (tok, pos, seq, want) in enumerate(chunk):
+                if not 0 <= tok < self.n_vocab:
+                    raise EngineError(f"token id {tok} outside the engine vocabulary [0, {self.n_vocab})")
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(want)
+                b.seq_id[i][0] = seq
+            b.n_tokens = len(chunk)
+            rc = lib.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed with code {rc} (context of {self.max_context} tokens per sequence exceeded?)")
+            n_out = sum(1 for *_, want in chunk if want)
+            if n_out:
+                ptr = lib.llama_get_logits(self._ctx)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy())
+        return np.concatenate(rows) if rows else np.empty((0, self.n_vocab), np.float32)
+
+    def _reset(self) -> None:
+        lib = _llama()
+        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+
+    def _check_prompt(self, prompt: tuple[int, ...] | list[int], new_tokens: int) -> None:
+        if len(prompt) + new_tokens > self.max_context:
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens + {new_tokens} new tokens exceeds the context of "
+                f"{self.max_context} tokens per sequence (model.max_context)"
+            )
+
+    def _prefill(self, seqs: list[_Seq]) -> np.ndarray:
+        """Evaluate each group's prompt once, share its cache with the group; returns the logits row of the
+        last prompt token for every sequence [n_seqs, V]."""
+        lib = _llama()
+        leaders = {}
+        for s in seqs:
+            leaders.setdefault(id(s.request), s)
+        entries = []
+        for lead in leaders.values():
+            p = lead.request.prompt_ids
+            entries += [(t, i, lead.seq_id, i == len(p) - 1) for i, t in enumerate(p)]
+        rows = self._decode(entries)
+        mem = lib.llama_get_memory(self._ctx)
+        row_of = {}
+        for k, (key, lead) in enumerate(leaders.items()):
+            row_of[key] = k
+        for s in seqs:
+            lead = leaders[id(s.request)]
+            if s is not lead:
+                lib.llama_memory_seq_cp(mem, lead.seq_id, s.seq_id, -1, -1)
+        return rows[[row_of[id(s.request)] for s in seqs]]
+
+    # -- public API ------------------------------------------------------------------------------
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int) -> list[Rollout]:
+        """Sample `n` completions per request. Rollouts come back ordered by (request, sample index)."""
+        rng = np.random.default_rng(seed)
+        out: list[Rollout] = []
+        for wave in self._waves(requests):
+            seqs = [_Seq(r, k, 0) for r in wave for k in range(r.n)]
+            for slot, s in enumerate(seqs):
+                s.seq_id = slot
+                self._check_prompt(s.request.prompt_ids, sampling.max_new_tokens)
+            self._reset()
+            logits = self._prefill(seqs)
+            active = seqs
+            while active:
+                ids, lps = sample_rows(logits, sampling, rng)
+                for s, tok, lp in zip(active, ids.tolist(), lps.tolist()):
+                    s.ids.append(tok)
+                    s.logprobs.append(lp)
+                    if _lib_is_eog(self._vocab, tok):
+                        s.finish = "stop"
+                    elif len(s.ids) >= sampling.max_new_tokens:
+                        s.finish = "length"
+                active = [s for s in active if s.finish is None]
+                if active:
+                    logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
+            out += [self._to_rollout(s) for s in seqs]
+        return out
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Argmax completions (stop token included when emitted), for evaluation."""
+        requests = [GenerationRequest(i, tuple(p), 1) for i, p in enumerate(prompts)]
+        results: list[list[int]] = []
+        for wave in self._waves(requests):
+            seqs = [_Seq(r, 0, slot) for slot, r in enumerate(wave)]
+            for s in seqs:
+                self._check_prompt(s.request.prompt_ids, max_new_tokens)
+            self._reset()
+            logits = self._prefill(seqs)
+            active = seqs
+            while active:
+                for s, tok in zip(active, np.argmax(logits, axis=1).tolist()):
+                    s.ids.append(tok)
+                    if _lib_is_eog(self._vocab, tok) or len(s.ids) >= max_new_tokens:
+                        s.finish = "done"
+                active = [s for s in active if s.finish is None]
+                if active:
+                    logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
+            results += [s.ids for s in seqs]
+        return results
+
+    def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingParams) -> list[float]:
+        """Teacher-forced engine log-probs [T] of `completion_ids` under the sampling transform (nats)."""
+        if not completion_ids:
+            return []
+        ids = list(prompt_ids) + list(completion_ids)
+        self._check_prompt(prompt_ids, len(completion_ids))
+        self._reset()
+        n_prompt = len(prompt_ids)
+        rows = self._decode([(t, i, 0, i >= n_prompt - 1 and i < len(ids) - 1) for i, t in enumerate(ids)])
+        return [float(transformed_log_softmax(row, sampling)[tok]) for row, tok in zip(rows, completion_ids)]
+
+    def is_stop_token(self, token: int) -> bool:
+        return _lib_is_eog(self._vocab, token)
+
+    def _waves(self, requests: list[GenerationRequest]):
+        """Split requests into waves of whole groups that fit in max_parallel sequences."""
+        wave, used = [], 0
+        for r in requests:
+            if r.n > self.max_parallel:
+                raise EngineError(f"group of {r.n} samples exceeds engine.max_parallel_sequences={self.max_parallel}")
+            if used + r.n > self.max_parallel:
+                yield wave
+                wave, used = [], 0
+            wave.append(r)
+            used += r.n
+        if wave:
+            yield wave
+
+    def _to_rollout(self, s: _Seq) -> Rollout:
+        return Rollout(
+            group_id=s.request.group_id, sample_index=s.sample_index, prompt_ids=list(s.request.prompt_ids),
+            completion_ids=s.ids, rollout_logprobs=list(s.logprobs), versions=[self.version] * len(s.ids),
+            finish_reason=s.finish,  # type: ignore[arg-type]
+        )
+
+
+def _lib_is_eog(vocab, token: int) -> bool:
+    return bool(_llama().llama_vocab_is_eog(vocab, token))

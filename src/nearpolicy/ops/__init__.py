@@ -1,0 +1,1 @@
+"""Pure tensor math: no models, no config objects, no `.item()`."""

@@ -1,0 +1,60 @@
+"""The sampling transform, trainer side. The engines implement the same definition in numpy
+(`engines/sampling.py`); the contract tests hold the two together (invariant 1).
+
+Transform of raw logits z [..., V] with temperature T, top-k k and top-p p:
+    s = z / T
+    keep_k = s >= k-th largest s                     (all kept when k == 0 or k >= V)
+    keep_p = exclusive cumulative prob (sorted desc, over the top-k renormalised distribution) < p
+    log pi(y) = log_softmax(s masked to the kept set)[y]       (-inf outside the kept set)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kept_set(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
+    """Bool mask [..., V] of the tokens top-k / top-p keep; None when both are disabled. No grad."""
+    vocab = scaled_logits.shape[-1]
+    if (top_k <= 0 or top_k >= vocab) and top_p >= 1.0:
+        return None
+    with torch.no_grad():
+        keep = torch.ones_like(scaled_logits, dtype=torch.bool)
+        if 0 < top_k < vocab:
+            kth = torch.topk(scaled_logits, top_k, dim=-1).values[..., -1:]
+            keep = scaled_logits >= kth
+        if top_p < 1.0:
+            masked = scaled_logits.masked_fill(~keep, float("-inf"))
+            probs = torch.softmax(masked, dim=-1)
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            exclusive = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            keep_sorted = exclusive < top_p
+            keep_p = torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+            keep = keep & keep_p
+    return keep
+
+
+def transformed_log_softmax(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """log softmax of the transformed logits. logits [..., V] float -> [..., V] (same dtype), nats.
+
+    Gradient flows through the values; the kept set is chosen without grad."""
+    scaled = logits / temperature
+    keep = kept_set(scaled, top_k, top_p)
+    if keep is not None:
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `token_ids` and entropy of the sampling distribution.
+
+    logits [B, T, V] float32, token_ids [B, T] int64 -> (logprobs [B, T] with grad, entropy [B, T] detached, nats).
+    """
+    logp = transformed_log_softmax(logits, temperature, top_k, top_p)
+    picked = torch.gather(logp, -1, token_ids.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        probs = logp.exp()
+        entropy = -torch.where(probs > 0, probs * logp, torch.zeros_like(logp)).sum(-1)
+    return picked, entropy

@@ -1,0 +1,145 @@
+"""Run folder: config and plan, metrics sinks (JSONL, TensorBoard), safetensors checkpoints.
+
+Checkpoints are written to a temporary folder, fsynced and renamed, so a kill at any moment leaves the last
+complete checkpoint loadable; the newest `keep` are kept."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINT_PREFIX = "step_"
+
+
+class MetricsSink:
+    """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict, keep: int) -> Path:
+    """Write checkpoints/step_XXXXXX atomically; returns its path. Refuses non-finite weights."""
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise FloatingPointError(f"refusing to checkpoint non-finite weights: {bad[:3]}")
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{CHECKPOINT_PREFIX}{step:06d}"
+    tmp = root / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _tie_safe_save(weights, tmp / "model.safetensors")
+    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    write_json(tmp / "trainer_state.json", {**state, "step": step, "optimizer": opt_meta})
+    for f in tmp.iterdir():
+        with f.open("rb") as handle:
+            os.fsync(handle.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore model, optimizer and torch RNG in place; returns the trainer state dict."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if k not in _tied_names(model)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    _restore_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state["optimizer"])
+    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_rng"])
+    return state
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    seen, tied = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.data_ptr() in seen:
+            tied.add(name)
+        seen.setdefault(tensor.data_ptr(), name)
+    return tied
+
+
+def _tie_safe_save(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors refuses shared storage: store each storage once (tied weights are re-tied on load)."""
+    seen, unique = set(), {}
+    for name, tensor in weights.items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        unique[name] = tensor
+    save_file(unique, str(path))
+
+
+def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = optimizer.state_dict()
+    tensors = {}
+    for pid, pstate in sd["state"].items():
+        for key, value in pstate.items():
+            tensors[f"{pid}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

@@ -1,0 +1,124 @@
+"""Builds what a run needs from the config: policy and tokenizer, task, rollout engine, optimizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nearpolicy.config import Config
+from nearpolicy.tasks import Problem, Task, make_task
+
+
+@dataclass
+class Session:
+    cfg: Config
+    model: torch.nn.Module
+    tokenizer: object
+    task: Task
+    engine: object
+    optimizer: torch.optim.Optimizer
+    template_gguf: Path | None
+    engine_dir: Path
+    plan: dict = field(default_factory=dict)
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """Chat-templated prompt ids (template applied once, generation prompt appended)."""
+        return chat_prompt_ids(self.tokenizer, self.cfg.task.system_prompt, problem.question)
+
+    def sync_engine(self, version: int) -> float:
+        """Push the trainer's weights to the engine; returns seconds spent."""
+        t0 = time.perf_counter()
+        if self.cfg.engine.kind == "llamacpp":
+            path = export_engine_gguf(self.model, self.engine_dir, self.cfg.engine.precision, self.template_gguf, self.tokenizer)
+            self.engine.update_weights(path, version)
+        else:
+            self.engine.update_weights(self.model.state_dict(), version)
+        return time.perf_counter() - t0
+
+
+def chat_prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:
+    if not question.strip():
+        raise ValueError("empty prompt: the task produced a problem with no question text")
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def export_engine_gguf(model: torch.nn.Module, folder: Path, precision: str, template: Path | None, tokenizer) -> Path:
+    from nearpolicy.engines.gguf_export import export_gguf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"policy-{precision}.gguf"
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    export_gguf(state, model.config, path, precision, template, tokenizer=tokenizer)
+    return path
+
+
+def stop_token_ids(tokenizer, model) -> set[int]:
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return ids
+
+
+def build_session(cfg: Config, run_dir: Path, log) -> Session:
+    from nearpolicy.models import load_policy, resolve_model
+
+    torch.set_num_threads(cfg.run.threads)
+    resolved = resolve_model(cfg.model.path)
+    model, tokenizer = load_policy(cfg.model.path)
+    model.float()
+    t = cfg.task
+    task = make_task(t.kind, name=t.name, options=t.options, path=t.path, train_size=t.train_size,
+                     eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines)
+    a = cfg.algorithm
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
+    template = resolved.path if resolved.kind == "gguf" else None
+    engine_dir = run_dir / "engine"
+    engine = _make_engine(cfg, model, tokenizer, template, engine_dir)
+    plan = {
+        "model_file": str(resolved.path), "model_kind": resolved.kind,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "engine": f"{cfg.engine.kind}:{cfg.engine.precision if cfg.engine.kind == 'llamacpp' else cfg.engine.hf_dtype}",
+        "samples_per_step": a.group_size * a.prompts_per_step,
+        "samples_per_minibatch": a.group_size * a.prompts_per_step // a.minibatches,
+        "total_samples": a.group_size * a.prompts_per_step * cfg.run.steps,
+        "eval_problems": len(task.eval_problems()),
+        "stop_token_ids": sorted(stop_token_ids(tokenizer, model)),
+    }
+    log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
+        f"{plan['samples_per_step']} samples/step, run folder {run_dir}")
+    return Session(cfg, model, tokenizer, task, engine, optimizer, template, engine_dir, plan)
+
+
+def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path):
+    e = cfg.engine
+    if e.kind == "llamacpp":
+        from nearpolicy.engines.llamacpp import LlamaCppEngine
+
+        path = export_engine_gguf(model, engine_dir, e.precision, template, tokenizer)
+        return LlamaCppEngine(path, max_context=cfg.model.max_context, max_parallel_sequences=e.max_parallel_sequences,
+                              threads=cfg.run.threads)
+    from nearpolicy.engines.hf import HFEngine
+
+    return HFEngine(model, stop_token_ids(tokenizer, model), dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)

@@ -1,0 +1,193 @@
+"""The orchestrator: one function per phase (rollout, score, recompute, update, sync, evaluate, log).
+Synchronous GRPO: the engine samples with the trainer's current weights (exported at the rollout precision),
+so every difference between rollout_logprobs and old_logprobs is numerical mismatch, not policy lag."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nearpolicy.batching import collate
+from nearpolicy.config import Config
+from nearpolicy.ops.advantages import ADVANTAGES
+from nearpolicy.ops.corrections import TokenCorrection, mismatch_log_ratio
+from nearpolicy.ops.diagnostics import mismatch_metrics
+from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save_checkpoint, write_json
+from nearpolicy.setup import Session, build_session
+from nearpolicy.tasks import Problem
+from nearpolicy.tasks.base import safe_score
+from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
+from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
+
+
+class RunExistsError(RuntimeError):
+    """The run folder already holds a run and --resume was not given."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    data_position: int = 0
+    version: int = 0
+    scorer_errors: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _update_settings(cfg: Config) -> UpdateSettings:
+    a = cfg.algorithm
+    correction = TokenCorrection("truncate", 0.0, a.tis_cap) if a.correction == "tis" else TokenCorrection("off")
+    return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.clip_low, a.clip_high,
+                          a.dual_clip, correction)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, resume: bool = False, log=print):
+        self.cfg, self.log = cfg, log
+        self.run_dir = cfg.run.output_dir / cfg.run.name
+        existing = list_checkpoints(self.run_dir) or (self.run_dir / "metrics.jsonl").exists()
+        if existing and not resume:
+            raise RunExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or set run.name")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.run.seed)
+        self.s: Session = build_session(cfg, self.run_dir, log)
+        self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
+                                       cfg.sampling.max_new_tokens)
+        self.settings = _update_settings(cfg)
+        self.state = TrainState()
+        if resume and list_checkpoints(self.run_dir):
+            self._resume(list_checkpoints(self.run_dir)[-1])
+        write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
+        write_json(self.run_dir / "plan.json", self.s.plan | {"resumed_at_step": self.state.step})
+        self.metrics = MetricsSink(self.run_dir, cfg.logging.tensorboard)
+
+    # -- phases ----------------------------------------------------------------------------------
+    def rollout(self, problems: list[Problem]) -> list[Rollout]:
+        g = self.cfg.algorithm.group_size
+        base = self.state.data_position
+        requests = [GenerationRequest(base + i, tuple(self.s.prompt_ids(p)), g) for i, p in enumerate(problems)]
+        seed = int(np.random.SeedSequence([self.cfg.run.seed, self.state.step]).generate_state(1)[0])
+        return self.s.engine.generate(requests, self.sampling, seed)
+
+    def score(self, rollouts: list[Rollout], problems: dict[int, Problem]) -> None:
+        for r in rollouts:
+            text = self.s.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
+            r.reward, error = safe_score(self.s.task, text, problems[r.group_id])
+            if error is not None:
+                self.state.scorer_errors += 1
+                r.reward = 0.0
+
+    def sync(self) -> None:
+        self.state.version += 1
+        self.s.sync_engine(self.state.version)
+
+    def evaluate(self) -> dict[str, float]:
+        problems = self.s.task.eval_problems()
+        prompts = [self.s.prompt_ids(p) for p in problems]
+        completions = self.s.engine.greedy(prompts, self.cfg.sampling.max_new_tokens)
+        scores = [safe_score(self.s.task, self.s.tokenizer.decode(c, skip_special_tokens=True), p)[0]
+                  for c, p in zip(completions, problems)]
+        return {"eval/accuracy": float(np.mean(scores)), "eval/response_length": float(np.mean([len(c) for c in completions]))}
+
+    def train_step(self) -> dict[str, float]:
+        cfg, t = self.cfg, {}
+        problems = [self.s.task.train_problem(self.state.data_position + i) for i in range(cfg.algorithm.prompts_per_step)]
+        by_group = {self.state.data_position + i: p for i, p in enumerate(problems)}
+        t0 = time.perf_counter()
+        rollouts = self.rollout(problems)
+        t["time/rollout"] = time.perf_counter() - t0
+        self.score(rollouts, by_group)
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+        groups = torch.tensor([r.group_id for r in rollouts])
+        advantages = ADVANTAGES.get(cfg.algorithm.advantage)(rewards, groups).float()
+        batch = collate(rollouts, self.s.pad_id, self.s.vocab_size)
+        t0 = time.perf_counter()
+        self.s.model.eval()
+        old_logprobs, entropy = recompute_logprobs(self.s.model, batch, self.sampling, cfg.algorithm.micro_batch_size)
+        t["time/recompute"] = time.perf_counter() - t0
+        log_rho, defined = mismatch_log_ratio(old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
+        mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, defined)
+        t0 = time.perf_counter()
+        self.s.model.train()
+        actor = policy_update(self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling, self.settings)
+        t["time/update"] = time.perf_counter() - t0
+        self.state.data_position += len(problems)
+        t0 = time.perf_counter()
+        self.sync()
+        t["time/sync"] = time.perf_counter() - t0
+        n_tokens = float(batch.mask.sum())
+        lengths = batch.mask.sum(1).float()
+        out = {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/scorer_errors": float(self.state.scorer_errors),
+            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/frac_truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+            "entropy": float(entropy[batch.mask].mean()),
+            **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
+            **actor, **t,
+            "throughput/rollout_tokens_per_s": n_tokens / max(t["time/rollout"], 1e-9),
+            "throughput/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t["time/update"], 1e-9),
+            "policy/version": float(self.state.version),
+        }
+        del log_rho
+        return out
+
+    # -- loop ------------------------------------------------------------------------------------
+    def fit(self) -> Path:
+        cfg = self.cfg
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.run.steps, initial=self.state.step, desc=cfg.run.name, disable=not cfg.logging.progress,
+                   dynamic_ncols=True)
+        if self.state.step == 0:
+            first = self.evaluate()
+            self.metrics.write(0, first)
+            self.log(f"step 0 eval accuracy {first['eval/accuracy']:.3f}")
+        while self.state.step < cfg.run.steps:
+            t0 = time.perf_counter()
+            metrics = self.train_step()
+            self.state.step += 1
+            step = self.state.step
+            if step % cfg.logging.eval_every == 0 or step == cfg.run.steps:
+                t1 = time.perf_counter()
+                metrics |= self.evaluate()
+                metrics["time/eval"] = time.perf_counter() - t1
+            metrics["time/step"] = time.perf_counter() - t0
+            self.metrics.write(step, metrics)
+            if step % cfg.logging.checkpoint_every == 0 or step == cfg.run.steps:
+                self.checkpoint()
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics['mismatch/k3']:.1e}",
+                            acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
+        bar.close()
+        self.metrics.close()
+        return self.run_dir
+
+    def checkpoint(self) -> Path:
+        st = self.state
+        state = {"data_position": st.data_position, "version": st.version, "scorer_errors": st.scorer_errors,
+                 "engine_precision": self.cfg.engine.precision}
+        return save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state, self.cfg.logging.keep_checkpoints)
+
+    def _resume(self, path: Path) -> None:
+        saved = load_checkpoint(path, self.s.model, self.s.optimizer)
+        self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
+                                scorer_errors=saved.get("scorer_errors", 0))
+        _truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
+        self.s.sync_engine(self.state.version)
+        self.log(f"resumed from {path} at step {self.state.step}")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines written after the checkpoint (they will be produced again)."""
+    if not path.exists():
+        return
+    import json
+
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)

@@ -1,0 +1,81 @@
+"""The names used everywhere: sampling parameters, generation requests and rollouts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine turns logits into a token. The returned log-prob is log softmax of the transformed
+    logits (logits / temperature, then top-k, then top-p renormalised over the kept set).
+
+    Raises ValueError for temperature <= 0 (greedy has no sampling distribution; use `greedy=True` on an
+    engine's `evaluate` instead), top_p outside (0, 1], top_k < 0 or max_new_tokens < 1."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    max_new_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0, got {self.temperature}: temperature 0 (greedy) has no sampling "
+                "distribution and log-probs would need a division by zero; use a small temperature instead"
+            )
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must satisfy 0 < top_p <= 1, got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables top-k), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to be sampled `n` times (a GRPO group). `prompt_ids` are token ids, already templated."""
+
+    group_id: int
+    prompt_ids: tuple[int, ...]
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"group {self.group_id}: empty prompt")
+        if self.n < 1:
+            raise ValueError(f"group {self.group_id}: n must be >= 1, got {self.n}")
+
+
+@dataclass
+class Rollout:
+    """One sampled response.
+
+    completion_ids   [T] ids exactly as sampled (never re-tokenised), the stop token included when finish='stop'
+    rollout_logprobs [T] engine log-prob (nats) of each sampled id under the sampling transform; None = missing
+    versions         [T] policy version of the weights that generated each token
+    """
+
+    group_id: int
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    rollout_logprobs: list[float | None]
+    versions: list[int]
+    finish_reason: FinishReason
+    reward: float = float("nan")
+    extras: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.rollout_logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"rollout of group {self.group_id}: {n} completion ids but {len(self.rollout_logprobs)} "
+                f"log-probs and {len(self.versions)} versions"
+            )

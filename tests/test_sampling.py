@@ -1,0 +1,70 @@
+"""The sampling transform: engine side (numpy) equals trainer side (torch); parameters validated (invariant 1)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax as np_transform
+from nearpolicy.ops.logprobs import transformed_log_softmax as torch_transform
+from nearpolicy.types import SamplingParams
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.9), (0.6, 20, 0.5)])
+def test_numpy_and_torch_transforms_agree(temperature, top_k, top_p):
+    logits = np.random.default_rng(0).standard_normal((4, 300)) * 3
+    sp = SamplingParams(temperature, top_p, top_k, 8)
+    ref = torch_transform(torch.from_numpy(logits), temperature, top_k, top_p).numpy()
+    for row, expected in zip(logits, ref):
+        got = np_transform(row, sp)
+        assert np.array_equal(np.isinf(got), np.isinf(expected))
+        finite = np.isfinite(got)
+        assert np.allclose(got[finite], expected[finite], atol=1e-12)
+
+
+def test_temperature_is_applied_to_logits_not_to_logprobs():
+    logits = np.array([2.0, 1.0, 0.0])
+    got = np_transform(logits, SamplingParams(temperature=0.5))
+    s = logits / 0.5
+    assert np.allclose(got, s - np.log(np.exp(s).sum()))
+    raw = logits - np.log(np.exp(logits).sum())
+    assert not np.allclose(got, raw / 0.5)  # dividing a raw log-prob by T is the classic bug
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p_and_renormalises():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    got = np_transform(np.log(probs), SamplingParams(top_p=0.8))
+    # exclusive cumsums 0, .5, .8, .95 -> keep the first two (0.8 is not < 0.8)
+    assert np.allclose(np.exp(got[:2]), [0.5 / 0.8, 0.3 / 0.8]) and np.isinf(got[2:]).all()
+
+
+def test_top_k_keeps_k_largest():
+    got = np_transform(np.log(np.array([0.1, 0.4, 0.2, 0.3])), SamplingParams(top_k=2))
+    assert np.allclose(np.exp(got), [0, 4 / 7, 0, 3 / 7])
+
+
+def test_sample_rows_draws_from_the_transformed_distribution_and_returns_its_logprob():
+    logits = np.log(np.array([[0.2, 0.5, 0.3]]))
+    rng = np.random.default_rng(1)
+    sp = SamplingParams(temperature=1.0)
+    counts = np.zeros(3)
+    for _ in range(20000):
+        ids, lps = sample_rows(logits, sp, rng)
+        counts[ids[0]] += 1
+        assert lps[0] == pytest.approx(math.log([0.2, 0.5, 0.3][ids[0]]))
+    assert np.allclose(counts / counts.sum(), [0.2, 0.5, 0.3], atol=0.015)
+
+
+def test_sampled_token_outside_top_k_is_impossible():
+    logits = np.tile(np.array([[0.0, 5.0, 4.9, -1.0]]), (2000, 1))
+    ids, _ = sample_rows(logits, SamplingParams(top_k=2), np.random.default_rng(0))
+    assert set(ids.tolist()) == {1, 2}
+
+
+@pytest.mark.parametrize("kwargs,match", [({"temperature": 0.0}, "greedy"), ({"temperature": -1.0}, "> 0"),
+                                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                                          ({"temperature": float("nan")}, "finite")])
+def test_bad_sampling_parameters_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
