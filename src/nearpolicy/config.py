@@ -43,6 +43,10 @@ class EngineConfig(Section):
     """hf engine: dtype of the weights and KV cache."""
     max_parallel_sequences: int = Field(64, ge=1)
     """Sequences decoded together in one multi-sequence batch."""
+    kv_cache: Literal["f16", "f32"] = "f16"
+    """llamacpp: KV-cache dtype."""
+    flash_attention: bool = False
+    """llamacpp: use the flash-attention kernel (rounds queries to f16: adds mismatch)."""
 
 
 class SamplingConfig(Section):

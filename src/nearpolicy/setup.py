@@ -118,7 +118,7 @@ def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_di
 
         path = export_engine_gguf(model, engine_dir, e.precision, template, tokenizer)
         return LlamaCppEngine(path, max_context=cfg.model.max_context, max_parallel_sequences=e.max_parallel_sequences,
-                              threads=cfg.run.threads)
+                              threads=cfg.run.threads, kv_cache=e.kv_cache, flash_attention=e.flash_attention)
     from nearpolicy.engines.hf import HFEngine
 
     return HFEngine(model, stop_token_ids(tokenizer, model), dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)

