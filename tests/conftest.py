@@ -61,7 +61,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) 
 
 
 @pytest.fixture(scope="session")
-def tiny_gguf_factory(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, smollm2_gguf: Path) -> Callable[[str], Path]:
+def tiny_gguf_factory(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, smollm2_gguf: Path
+) -> Callable[[str], Path]:
     """precision -> path of the tiny model exported to GGUF (SmolLM2 GGUF as metadata template), cached."""
     import torch
     from transformers import AutoModelForCausalLM

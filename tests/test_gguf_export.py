@@ -169,7 +169,8 @@ def test_export_without_template_matches_template_tokenizer(tiny_model, tiny_ggu
     mine, ref = gguf.GGUFReader(str(out)).fields, gguf.GGUFReader(str(tiny_gguf_factory("f32"))).fields
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.add_bos_token"):
+                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
+                "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template"):
         assert mine[key].contents() == ref[key].contents(), key
     llm = _llama(out)
     assert llm.tokenize(b"12 apples", add_bos=False) == smollm2_tokenizer.encode("12 apples")
@@ -211,7 +212,8 @@ def test_load_policy_smollm2_gives_finite_float32_logits(smollm2_policy) -> None
     assert torch.isfinite(logits).all()
 
 
-def test_reexport_of_loaded_smollm2_reproduces_shipped_file(smollm2_policy, smollm2_gguf: Path, tmp_path: Path) -> None:
+def test_reexport_of_loaded_smollm2_reproduces_shipped_file(smollm2_policy, smollm2_gguf: Path,
+                                                            tmp_path: Path) -> None:
     """Trainer weights -> GGUF at the shipped types (Q4_1, token_embd Q8_0) is the shipped file, byte for byte."""
     model, _ = smollm2_policy
     out = tmp_path / "smollm2.gguf"
@@ -219,3 +221,10 @@ def test_reexport_of_loaded_smollm2_reproduces_shipped_file(smollm2_policy, smol
                          embedding_precision="q8_0")
     assert report.tensor_types["token_embd.weight"] == "Q8_0" and report.fallback_f16 == []
     assert out.read_bytes() == smollm2_gguf.read_bytes()
+
+
+def test_load_policy_hf_folder(tiny_model_dir: Path, tiny_model) -> None:
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    assert model.training and model.dtype == torch.float32 and len(tokenizer) == 49152
+    ref = tiny_model.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())

@@ -290,6 +290,7 @@ def _add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: Any, n_vocab: in
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(_pre_tokenizer_name(tokenizer))
+    writer.add_add_space_prefix(False)
     writer.add_token_list(tokens)
     writer.add_token_types([int(t) for t in types])
     special.add_to_gguf(writer, quiet=True)

@@ -1,0 +1,77 @@
+"""`nearpolicy train` through the real CLI on the tiny model: a 2-step run, resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STEP_KEYS = {"reward/mean", "reward/std", "response/length_mean", "entropy", "mismatch/k1", "mismatch/k3",
+             "mismatch/ess", "mismatch/max_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2",
+             "time/rollout", "time/update", "time/sync", "throughput/rollout_tokens_per_s", "actor/loss"}
+
+
+def _train(args, cwd):
+    return subprocess.run([sys.executable, "-m", "nearpolicy", "train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _base(model_path: Path, out: Path, name: str, *extra: str) -> list[str]:
+    sets = [f"model.path='{model_path}'", f"run.output_dir='{out}'", f"run.name={name}", "run.steps=2",
+            "algorithm.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=2",
+            "sampling.max_new_tokens=6", "task.eval_size=4", "task.train_size=50", "logging.eval_every=2",
+            "logging.checkpoint_every=1", "model.max_context=256", *extra]
+    return [arg for s in sets for arg in ("--set", s)]
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_step_run_then_resume(tiny_gguf_factory, tmp_path):
+    model = tiny_gguf_factory("f32")
+    proc = _train(_base(model, tmp_path, "smoke", "engine.precision=q8_0"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "smoke"
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
+    for row in rows[1:]:
+        assert STEP_KEYS <= row.keys()
+        assert row["mismatch/k3"] >= 0 and 0 < row["mismatch/ess"] <= 1
+        assert row["policy/version"] == row["step"]
+    assert (run / "checkpoints" / "step_000002" / "model.safetensors").exists()
+    assert json.loads((run / "plan.json").read_text())["samples_per_step"] == 4
+    assert json.loads((run / "config.json").read_text())["engine"]["precision"] == "q8_0"
+    assert any((run / "tensorboard").iterdir())
+
+    again = _train(_base(model, tmp_path, "smoke", "engine.precision=q8_0"), tmp_path)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2]  # nothing written was lost
+
+    resumed = _train(_base(model, tmp_path, "smoke", "engine.precision=q8_0", "run.steps=3") + ["--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[3]["policy/version"] == 3
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+def test_hf_engine_run_from_an_hf_folder(tiny_model_dir, tmp_path):
+    proc = _train(_base(tiny_model_dir, tmp_path, "hf", "engine.kind=hf", "run.steps=1"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = _metrics(tmp_path / "hf")[1]
+    assert row["mismatch/max_abs_logprob_diff"] < 1e-3  # fp32 engine, same weights
+
+
+@pytest.mark.parametrize("override,needle", [("algorithm.lrr=1", "unknown key 'algorithm.lrr'"),
+                                             ("sampling.temperature=0", "sampling.temperature")])
+def test_bad_config_exits_2_naming_the_key(tmp_path, override, needle):
+    proc = _train(["--set", override], tmp_path)
+    assert proc.returncode == 2 and needle in proc.stderr

@@ -1,0 +1,70 @@
+"""The update on the tiny model: on-policy ratio exactly 1, micro-batching does not change the gradient
+(invariants 7, 8)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nearpolicy.batching import collate
+from nearpolicy.ops.corrections import TokenCorrection
+from nearpolicy.types import Rollout, SamplingParams
+from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
+
+SAMPLING = SamplingParams(0.9, 1.0, 0, 8)
+
+
+@pytest.fixture(scope="module")
+def model_and_batch(tiny_model_dir):
+    from nearpolicy.models import load_policy
+
+    model, _ = load_policy(str(tiny_model_dir))
+    g = torch.Generator().manual_seed(0)
+    rollouts = []
+    for i in range(6):  # uneven prompt and completion lengths: real padding
+        prompt = torch.randint(3, 49152, (3 + i % 3,), generator=g).tolist()
+        completion = torch.randint(3, 49152, (2 + (5 * i) % 7,), generator=g).tolist()
+        rollouts.append(Rollout(i // 2, i % 2, prompt, completion, [-10.0] * len(completion), [0] * len(completion), "length"))
+    return model, collate(rollouts, pad_id=2, vocab_size=49152)
+
+
+def _settings(minibatches, micro):
+    return UpdateSettings(minibatches, micro, 1e9, 0.2, 0.28, 3.0, TokenCorrection("off"))
+
+
+def _grads_after_update(model, batch, micro, fused):
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: weights stay, gradients are inspected
+    captured = {}
+    optimizer.step = lambda: captured.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    old = None if fused else recompute_logprobs(model, batch, SAMPLING, micro)[0]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    metrics, old_out, _ = policy_update(model, optimizer, batch, old, adv, SAMPLING, _settings(1, micro))
+    return captured, metrics, old_out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_on_policy_ratio_is_exactly_one_on_the_first_minibatch(model_and_batch, fused):
+    model, batch = model_and_batch
+    for micro in (1, 4):
+        _, metrics, _ = _grads_after_update(model, batch, micro, fused)
+        assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
+
+
+def test_gradient_does_not_depend_on_micro_batch_size(model_and_batch):
+    model, batch = model_and_batch
+    g1, m1, old1 = _grads_after_update(model, batch, 1, True)
+    g6, m6, old6 = _grads_after_update(model, batch, 6, True)
+    assert m1["actor/loss"] == pytest.approx(m6["actor/loss"], rel=1e-5)
+    for name in g1:
+        assert torch.allclose(g1[name], g6[name], rtol=1e-4, atol=1e-7), name
+    assert torch.allclose(old1[batch.mask], old6[batch.mask], atol=1e-5)
+
+
+def test_fused_old_logprobs_need_a_single_minibatch(model_and_batch):
+    model, batch = model_and_batch
+    with pytest.raises(ValueError, match="single mini-batch"):
+        policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, None, torch.zeros(6), SAMPLING,
+                      _settings(2, 3))
