@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hf-dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                        help="transformers engine dtypes (bf16 matmul is about 10x slower than fp32 on this CPU)")
     parser.add_argument("--out", type=Path, default=Path("docs/bench/rollout_throughput.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -67,7 +69,7 @@ def main() -> None:
                                     threads=args.threads)
             results[f"llamacpp:{precision}"] = measure(engine, requests, sampling, args.repeats)
             engine.close()
-    for dtype in ("fp32", "bf16"):
+    for dtype in args.hf_dtypes:
         engine = HFEngine(model, stop_token_ids(tokenizer, model), dtype=dtype, max_parallel_sequences=args.prompts * args.group)
         results[f"hf:{dtype}"] = measure(engine, requests, sampling, args.repeats)
         engine.close()

@@ -137,3 +137,22 @@ def test_sync_matches_a_fresh_engine_and_is_idempotent(tiny_model_dir, tiny_gguf
     assert engine.version == 2
     engine.close()
     fresh.close()
+
+
+# -- the transformers engine: same contract --------------------------------------------------------
+@pytest.mark.parametrize("dtype,bound", [("fp32", 5e-5), ("bf16", 1.0)])
+def test_hf_engine_logprobs_match_the_trainer(tiny_policy, dtype, bound):
+    from nearpolicy.engines.hf import HFEngine
+
+    model = tiny_policy[0]
+    sampling = SamplingParams(0.8, 0.95, 0, 8)
+    engine = HFEngine(model, {2}, dtype=dtype, max_parallel_sequences=4)
+    rollouts = engine.generate([GenerationRequest(i, p, 3) for i, p in enumerate(PROMPTS)], sampling, seed=0)
+    assert [(r.group_id, r.sample_index) for r in rollouts] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    logprobs, batch = _trainer_logprobs(model, rollouts, sampling)
+    diff = (logprobs - batch.rollout_logprobs).abs()[batch.mask]
+    assert diff.max().item() < bound
+    if dtype == "bf16":  # bf16 weights and cache are a real, measurable mismatch
+        assert diff.max().item() > 1e-3
+    scored = engine.score(rollouts[0].prompt_ids, rollouts[0].completion_ids, sampling)
+    assert np.allclose(scored, rollouts[0].rollout_logprobs, atol=2e-2 if dtype == "bf16" else 5e-5)

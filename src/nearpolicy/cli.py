@@ -1,4 +1,5 @@
-"""Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`."""
+"""Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`,
+`nearpolicy summary RUN_DIR`."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _summary(args: argparse.Namespace) -> int:
+    from nearpolicy.summary import summarize
+
+    try:
+        print(summarize(args.run_dir))
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nearpolicy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     lister = sub.add_parser("list", help="list registered advantage estimators, losses and corrections")
     lister.set_defaults(func=_list)
+    summary = sub.add_parser("summary", help="markdown summary of a run folder (accuracy, mismatch, timings)")
+    summary.add_argument("run_dir", type=Path)
+    summary.set_defaults(func=_summary)
     return parser
 
 

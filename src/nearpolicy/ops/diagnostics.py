@@ -55,3 +55,44 @@ def probability_correlation(a_logprobs: torch.Tensor, b_logprobs: torch.Tensor, 
 def sequence_stats(values: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Mean and max of a per-token quantity [B, T] over valid tokens."""
     return {"mean": masked_mean(values, mask), "max": masked_max(values, mask)}
+
+
+def sequence_mismatch_metrics(
+    pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Sequence-level mismatch diagnostics (float64 scalars, detached), over sequences with >= 1 defined token
+    (all zeros, ratio metrics 1, when there is none). pi = trainer (old_logprobs in decoupled mode), mu = engine.
+    Per sequence i with n_i defined tokens: log_ppl_pi = -mean_t lp_pi, log_ppl_mu = -mean_t lp_mu,
+      log_ppl_diff_i = mean_t lp_mu - mean_t lp_pi = log_ppl_pi - log_ppl_mu  (nats/token),
+      ppl_ratio_i = exp(log_ppl_diff_i) = ppl_pi / ppl_mu = 1 / geometric-mean ratio,
+      chi2_seq = mean_i exp(2 clamp(sum_t log r, +-20)) - 1, log r = lp_pi - lp_mu.
+    Returns log_ppl_diff (mean, abs mean, max, min), ppl_ratio (mean), training_ppl / rollout_ppl (mean of
+    per-sequence exp(log ppl)), chi2_seq, seqs. Source: verl compute_offpolicy_metrics (docs/math.md sec. 16)."""
+    defined = defined.bool()
+    pi = select(pi_logprobs.detach().double(), defined)
+    mu = select(mu_logprobs.detach().double(), defined)
+    n = defined.sum(-1).double()
+    seq = n > 0
+    mean_pi, mean_mu = pi.sum(-1) / n.clamp_min(1), mu.sum(-1) / n.clamp_min(1)
+    diff = mean_mu - mean_pi
+    log_r_sum = (pi - mu).sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    one = torch.ones((), dtype=torch.float64)
+    count = seq.sum()
+    m = lambda x: torch.where(seq, x, torch.zeros_like(x)).sum() / count.clamp_min(1)  # noqa: E731
+    return {
+        "log_ppl_diff": m(diff),
+        "log_ppl_diff_abs": m(diff.abs()),
+        "log_ppl_diff_max": torch.where(count > 0, select(diff, seq, fill=-torch.inf).max(), 0 * one),
+        "log_ppl_diff_min": torch.where(count > 0, select(diff, seq, fill=torch.inf).min(), 0 * one),
+        "ppl_ratio": torch.where(count > 0, m(diff.exp()), one),
+        "training_ppl": torch.where(count > 0, m((-mean_pi).exp()), one),
+        "rollout_ppl": torch.where(count > 0, m((-mean_mu).exp()), one),
+        "chi2_seq": torch.where(count > 0, m((2 * log_r_sum).exp()) - 1, 0 * one),
+        "seqs": count.double(),
+    }
+
+
+def fraction(indicator: torch.Tensor, mask: torch.Tensor, denominator: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Fraction of valid positions where a bool indicator [B, T] holds (clip / mask / rejection fractions);
+    `denominator` overrides the count (a global token count, so micro-batch results add up)."""
+    return masked_mean(indicator.double(), mask, denominator=denominator)

@@ -1,35 +1,252 @@
 """Policy losses. Shapes: logprobs, old_logprobs, mask, weights [B, T]; advantages [B] (one per sequence)
-or [B, T]. PPO ratio r = exp(logprobs - old_logprobs). `weights` is the detached mismatch correction
-(ops/corrections.py). Aggregation is token-mean with an explicit denominator: the valid-token count of the
-whole gradient-accumulation group, so splitting into micro-batches leaves the loss unchanged (invariant 7)."""
+or [B, T]. Log-probs: `logprobs` = log pi_theta (current, with grad); `old_logprobs` = the proximal policy
+(decoupled mode: the trainer at the sampling weights, pi_old; bypass mode: the engine's rollout_logprobs);
+`ref_logprobs` = a frozen reference policy. PPO ratio r = exp(logprobs - old_logprobs), log-ratio clamped to
++-20 nats. `weights` is the detached mismatch correction (ops/corrections.py).
+
+Every registered loss has one signature, (PolicyLossInput, PolicyLossParams) -> TokenLoss: a per-token loss
+[B, T] (0 at masked positions, weights applied) plus clip indicators. `policy_loss` aggregates it with one of
+the modes of `masked.aggregate`, whose denominator is a global count of the whole gradient-accumulation group,
+so splitting into micro-batches leaves the loss unchanged (invariant 7). docs/math.md secs. 3 and 7-8."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from nearpolicy.ops.masked import clamped_exp, masked_sum, select
+from nearpolicy.ops.masked import SAFETY_BOUND, aggregate, clamped_exp, masked_sum, select
+from nearpolicy.registry import Registry
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass(frozen=True)
 class PolicyLossInput:
     logprobs: torch.Tensor  # [B, T] float32, with grad: log pi_theta
-    old_logprobs: torch.Tensor  # [B, T] float32, detached: log pi_old at the sampling weights
+    old_logprobs: torch.Tensor  # [B, T] float32, detached: proximal log-probs (pi_old, or the engine's in bypass mode)
     advantages: torch.Tensor  # [B] or [B, T]
     mask: torch.Tensor  # [B, T] bool, True = valid response token
     token_denominator: torch.Tensor | float  # valid tokens in the whole accumulation group (>= 1)
     weights: torch.Tensor | None = None  # [B, T] detached mismatch weight, None = 1
+    ref_logprobs: torch.Tensor | None = None  # [B, T] detached reference log-probs for the KL penalty, None = no KL
+
+
+@dataclass(frozen=True)
+class PolicyLossParams:
+    """Plain scalars of the policy losses. clip_low / clip_high: ratio clip [1 - clip_low, 1 + clip_high]
+    (DAPO clip-higher when they differ); dual_clip: c > 1 or None (PPO only); gspo_log_ratio_max: upper clamp
+    of GSPO's token log-ratio (verl: 10); kl_coef, kl_estimator: KL-to-reference penalty (k1 / k2 / k3)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    gspo_log_ratio_max: float = 10.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+    def __post_init__(self) -> None:
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """loss [B, T] (with grad, 0 at masked positions, mismatch weights applied); clipped, clipped_lower [B, T]
+    bool (token's ratio clipped by the trust region / by the dual clip); log_ratio [B, T] detached lp - old."""
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+    clipped_lower: torch.Tensor
+    log_ratio: torch.Tensor
+
+
+PolicyLossFn = Callable[[PolicyLossInput, PolicyLossParams], TokenLoss]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
 def _broadcast_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
 
 
+def _prepare(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask bool, logprobs, old, advantages), all selected so masked positions hold 0."""
+    mask = inp.mask.bool()
+    logprobs = select(inp.logprobs, mask)
+    old = select(inp.old_logprobs.detach(), mask)
+    adv = select(_broadcast_advantages(inp.advantages, logprobs).detach().to(logprobs.dtype), mask)
+    return mask, logprobs, old, adv
+
+
+def _finish(inp: PolicyLossInput, mask: torch.Tensor, loss_tok: torch.Tensor, clipped: torch.Tensor,
+            lower: torch.Tensor, log_ratio: torch.Tensor) -> TokenLoss:
+    if inp.weights is not None:
+        loss_tok = loss_tok * select(inp.weights.detach().to(loss_tok.dtype), mask, fill=1.0)
+    return TokenLoss(select(loss_tok, mask), clipped & mask, lower & mask, select(log_ratio.detach(), mask))
+
+
+@POLICY_LOSSES.register("ppo_clip", summary="PPO clip, clip-higher (eps_low / eps_high) and dual clip for A < 0",
+                        source="arXiv:1707.06347 eq. 7; dual clip arXiv:1912.09729 eq. 5; DAPO arXiv:2503.14476")
+def ppo_clip_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
+    """L_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); for A < 0 also min(L_t, -A c); L_t *= w_t."""
+    mask, logprobs, old, adv = _prepare(inp)
+    log_ratio = logprobs - old
+    ratio = clamped_exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - params.clip_low, 1 + params.clip_high)
+    loss_tok = torch.maximum(unclipped, clipped)
+    lower_clipped = torch.zeros_like(mask)
+    if params.dual_clip is not None:
+        dual = -adv * params.dual_clip
+        lower_clipped = (adv < 0) & (loss_tok > dual)
+        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, dual), loss_tok)
+    return _finish(inp, mask, loss_tok, clipped > unclipped, lower_clipped, log_ratio)
+
+
+@POLICY_LOSSES.register("gspo", summary="sequence geometric-mean ratio, token form; use seq-mean-token-mean",
+                        source="GSPO arXiv:2507.18071 (GSPO-token form); verl compute_policy_loss_gspo")
+def gspo_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
+    """log s_it = sg(mean_t m (lp - old)) + lp_t - sg(lp_t), clamped to [-20, gspo_log_ratio_max];
+    L_t = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)) * w_t. Value s_it = s_i (the sequence's
+    geometric-mean ratio); its gradient is s_i * grad lp_t, so seq-mean-token-mean gives GSPO's gradient."""
+    mask, logprobs, old, adv = _prepare(inp)
+    n = mask.sum(-1, keepdim=True).clamp_min(1).to(logprobs.dtype)
+    log_seq = (masked_sum(logprobs - old, mask, dim=-1).unsqueeze(-1) / n).detach()
+    log_tok = (log_seq + logprobs - logprobs.detach()).clamp(-SAFETY_BOUND, params.gspo_log_ratio_max)
+    ratio = torch.exp(log_tok)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - params.clip_low, 1 + params.clip_high)
+    loss_tok = torch.maximum(unclipped, clipped)
+    return _finish(inp, mask, loss_tok, clipped > unclipped, torch.zeros_like(mask), log_seq.expand_as(logprobs))
+
+
+@POLICY_LOSSES.register("cispo", summary="-sg(clip(r, 1 - eps_low, 1 + eps_high)) A logprobs: clip the IS weight",
+                        source="CISPO, MiniMax-M1 arXiv:2506.13585; verl/TRL cispo loss")
+def cispo_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
+    """L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * lp_t * w_t; every token keeps a gradient."""
+    mask, logprobs, old, adv = _prepare(inp)
+    log_ratio = logprobs - old
+    ratio = clamped_exp(log_ratio).detach()
+    kept = ratio.clamp(1 - params.clip_low, 1 + params.clip_high)
+    loss_tok = -kept * adv * logprobs
+    return _finish(inp, mask, loss_tok, kept != ratio, torch.zeros_like(mask), log_ratio)
+
+
+@POLICY_LOSSES.register("reinforce", summary="-A w logprobs (policy gradient, no ratio); bypass + IS weights",
+                        source="Williams 1992; verl rollout-correction bypass loss_type=reinforce")
+def reinforce_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
+    """L_t = -A_t * lp_t * w_t (old_logprobs only feed the ppo_kl metric)."""
+    del params
+    mask, logprobs, old, adv = _prepare(inp)
+    zeros = torch.zeros_like(mask)
+    return _finish(inp, mask, -adv * logprobs, zeros, zeros, logprobs - old)
+
+
+@POLICY_LOSSES.register("importance_sampling", summary="-exp(lp - old) A w, unclipped (Tinker's IS loss; OPD)",
+                        source="tinker-cookbook importance_sampling loss (docs/math.md sec. 15)")
+def importance_sampling_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
+    """L_t = -exp(clamp(lp_t - old_t, +-20)) * A_t * w_t."""
+    del params
+    mask, logprobs, old, adv = _prepare(inp)
+    zeros = torch.zeros_like(mask)
+    return _finish(inp, mask, -clamped_exp(logprobs - old) * adv, zeros, zeros, logprobs - old)
+
+
+def _pnpo(inp: PolicyLossInput, params: PolicyLossParams, prefix_grad: bool) -> TokenLoss:
+    mask, logprobs, old, adv = _prepare(inp)
+    count = torch.cumsum(mask.to(logprobs.dtype), -1).clamp_min(1)
+    log_prefix = torch.cumsum(logprobs - old, -1) / count
+    if not prefix_grad:
+        log_prefix = log_prefix.detach() + logprobs - logprobs.detach()
+    ratio = clamped_exp(log_prefix)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - params.clip_low, 1 + params.clip_high)
+    loss_tok = torch.maximum(unclipped, clipped)
+    return _finish(inp, mask, loss_tok, clipped > unclipped, torch.zeros_like(mask), log_prefix)
+
+
+@POLICY_LOSSES.register("pnpo", summary="PPO clip on the prefix geometric-mean ratio, token-form gradient (reconstruction)",
+                        source="reconstructed from the abstract of arXiv:2608.01418 (docs/math.md sec. 11)")
+def pnpo_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
+    """log rb_t = sg(sum_{i<=t} m_i (lp_i - old_i) / sum_{i<=t} m_i) + lp_t - sg(lp_t) (value: the prefix
+    geometric-mean ratio; gradient rb_t grad lp_t, as GSPO-token, so on-policy it is the plain policy gradient);
+    L_t = max(-A rb_t, -A clip(rb_t, 1 - eps_low, 1 + eps_high)) * w_t."""
+    return _pnpo(inp, params, prefix_grad=False)
+
+
+@POLICY_LOSSES.register("pnpo_prefix_grad", summary="pnpo with the gradient through every token of the prefix (variant)",
+                        source="reconstructed from the abstract of arXiv:2608.01418 (docs/math.md sec. 11)")
+def pnpo_prefix_grad_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
+    """As pnpo without the stop-gradient: d rb_t / d lp_i = rb_t / #{valid j <= t} for every valid i <= t, so an
+    early token collects gradient from every later position."""
+    return _pnpo(inp, params, prefix_grad=True)
+
+
+
+def kl_penalty_tokens(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate [B, T] (with grad through logprobs; 0 at masked positions).
+
+    k1 = lp - lref; k2 = (lp - lref)^2 / 2; k3 = exp(d) - d - 1 with d = clamp(lref - lp, +-20), output clamped
+    to [-10, 10] (verl low_var_kl). Source: Schulman 2020 "Approximating KL divergence"; verl kl_penalty.
+    Raises ValueError for an unknown estimator."""
+    mask = mask.bool()
+    diff = select(logprobs, mask) - select(ref_logprobs.detach().to(logprobs.dtype), mask)
+    if estimator == "k1":
+        kl = diff
+    elif estimator == "k2":
+        kl = 0.5 * diff * diff
+    elif estimator == "k3":
+        d = (-diff).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        kl = (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    return select(kl, mask)
+
+
+def policy_loss(
+    name: str, inp: PolicyLossInput, params: PolicyLossParams, mode: str = "token-mean",
+    denominator: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Registered loss `name`, plus kl_coef * KL(pi_theta || pi_ref) when inp.ref_logprobs is given and
+    kl_coef > 0 (not multiplied by the mismatch weights), aggregated by `mode` over the global `denominator`
+    (default inp.token_denominator, allowed for token-mean only; pass `masked.aggregation_denominator` of the
+    whole accumulation group for the other modes). Returns (loss scalar with grad, detached metrics normalised by
+    inp.token_denominator, so that summing them over micro-batches gives the accumulation-group mean).
+    Raises KeyError for an unknown loss, ValueError for an unknown mode or a missing denominator."""
+    if denominator is None and mode != "token-mean":
+        raise ValueError(f"aggregation {mode!r} needs an explicit global denominator (see aggregation_denominator)")
+    mask = inp.mask.bool()
+    out = POLICY_LOSSES.get(name)(inp, params)
+    loss_tok = out.loss
+    kl = None
+    if inp.ref_logprobs is not None and params.kl_coef > 0:
+        kl = kl_penalty_tokens(inp.logprobs, inp.ref_logprobs, mask, params.kl_estimator)
+        loss_tok = loss_tok + params.kl_coef * kl
+    loss = aggregate(loss_tok, mask, mode, inp.token_denominator if denominator is None else denominator)
+    tok = torch.as_tensor(inp.token_denominator, dtype=loss_tok.dtype).clamp_min(1)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_sum(out.clipped.to(loss_tok.dtype), mask) / tok,
+            "pg_clipfrac_lower": masked_sum(out.clipped_lower.to(loss_tok.dtype), mask) / tok,
+            "ppo_kl": masked_sum(-out.log_ratio, mask) / tok,
+        }
+        if kl is not None:
+            metrics["kl_ref"] = masked_sum(kl.detach(), mask) / tok
+    return loss, metrics
+
+
 def ppo_clip_loss(
     inp: PolicyLossInput, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = 3.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip with optional dual clip, token-mean aggregated.
+    """PPO-clip with optional dual clip, token-mean aggregated (kept for the trainer; = policy_loss("ppo_clip")).
 
     L_t = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)); for A < 0 also min(L_t, -A c) (dual clip, c > 1);
     L_t *= w_t (detached); loss = sum_valid L_t / token_denominator.
@@ -39,30 +256,4 @@ def ppo_clip_loss(
     Source: Schulman et al. arXiv:1707.06347 eq. 7; dual clip Ye et al. arXiv:1912.09729 eq. 5.
     Raises ValueError if dual_clip <= 1.
     """
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    mask = inp.mask.bool()
-    logprobs = select(inp.logprobs, mask)
-    old = select(inp.old_logprobs.detach(), mask)
-    adv = select(_broadcast_advantages(inp.advantages, logprobs).detach().to(logprobs.dtype), mask)
-    log_ratio = logprobs - old
-    ratio = clamped_exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
-    loss_tok = torch.maximum(unclipped, clipped)
-    lower_clipped = torch.zeros_like(mask)
-    if dual_clip is not None:
-        dual = -adv * dual_clip
-        lower_clipped = (adv < 0) & (loss_tok > dual)
-        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, dual), loss_tok)
-    if inp.weights is not None:
-        loss_tok = loss_tok * select(inp.weights.detach().to(loss_tok.dtype), mask, fill=1.0)
-    denom = torch.as_tensor(inp.token_denominator, dtype=loss_tok.dtype).clamp_min(1)
-    loss = masked_sum(loss_tok, mask) / denom
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_sum((clipped > unclipped).to(loss_tok.dtype), mask) / denom,
-            "pg_clipfrac_lower": masked_sum(lower_clipped.to(loss_tok.dtype), mask) / denom,
-            "ppo_kl": masked_sum(-log_ratio, mask) / denom,
-        }
-    return loss, metrics
+    return policy_loss("ppo_clip", inp, PolicyLossParams(clip_low, clip_high, dual_clip))

@@ -42,3 +42,42 @@ def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def clamped_exp(log_ratio: torch.Tensor, bound: float = SAFETY_BOUND) -> torch.Tensor:
     """exp of a log-ratio clamped to [-bound, bound] nats."""
     return torch.exp(log_ratio.clamp(-bound, bound))
+
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str, denominator: torch.Tensor | float) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar; masked positions are never read (selection, not product).
+
+    `denominator` is a global count of the whole gradient-accumulation group, so summing the results of a
+    micro-batch split gives the full-batch value (invariant 7):
+      token-mean               sum_{i,t} m L / denominator          (denominator = valid tokens)
+      seq-mean-token-mean      sum_i [sum_t m L / sum_t m] / denominator   (denominator = sequences with >= 1
+                               valid token; an empty sequence contributes 0)
+      seq-mean-token-sum       sum_i sum_t m L / denominator       (denominator = non-empty sequences)
+      seq-mean-token-sum-norm  sum_{i,t} m L / denominator          (denominator = a constant, e.g. B * max length
+                               for TRL's Dr. GRPO, max length for verl's)
+    The denominator is clamped to >= 1. Source: verl core_algos.agg_loss. Raises ValueError for an unknown mode.
+    """
+    denom = torch.as_tensor(denominator, dtype=loss_tok.dtype, device=loss_tok.device).clamp_min(1)
+    if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        return masked_sum(loss_tok, mask) / denom
+    if mode == "seq-mean-token-mean":
+        per_seq = masked_sum(loss_tok, mask, dim=-1) / mask.bool().sum(-1).clamp_min(1).to(loss_tok.dtype)
+        return per_seq.sum() / denom
+    raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+
+
+def aggregation_denominator(mask: torch.Tensor, mode: str, constant: float | None = None) -> torch.Tensor:
+    """The global denominator `aggregate` expects for `mode`, from the mask [B, T] of the WHOLE accumulation
+    group: valid tokens, non-empty sequences, or `constant` (required for seq-mean-token-sum-norm)."""
+    if mode == "token-mean":
+        return mask.bool().sum()
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return mask.bool().any(-1).sum()
+    if mode == "seq-mean-token-sum-norm":
+        if constant is None:
+            raise ValueError("seq-mean-token-sum-norm needs a constant denominator")
+        return torch.as_tensor(float(constant))
+    raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")

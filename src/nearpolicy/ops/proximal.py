@@ -1,0 +1,173 @@
+"""Proximal-policy approximations and mismatch-adaptive weights (pure tensor functions).
+
+Log-probs, all [B, T] nats: `logprobs` = log pi_theta (current, with grad), `old_logprobs` = pi_old (trainer at
+the sampling weights, detached), `rollout_logprobs` = mu (the engine's), `prox_logprobs` = a proximal policy
+other than pi_old (EWMA weights, A-3PO interpolation). Discrepancy log-ratio log rho = old - rollout (same
+weights, different engines); lag log-ratio log r = logprobs - old (policy drift since sampling).
+Every returned weight is detached; every log-ratio is clamped to +-20 before exp. docs/math.md secs. 12-14.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nearpolicy.ops.masked import SAFETY_BOUND, clamped_exp, masked_mean, select
+
+
+# -- PPO-EWMA (Hilton et al. arXiv:2110.00641; openai/ppo-ewma) ----------------------------------------------
+def ewma_update(
+    ewma: torch.Tensor, theta: torch.Tensor, weight_sum: torch.Tensor, decay: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One bias-corrected EWMA step of a parameter tensor (any shape; no grad):
+    W' = decay W + 1; ewma' = (decay W / W') ewma + theta / W'. Returns (ewma', W'). Start from W = 0 (then
+    ewma' = theta); decay = 0 resets to the current weights. Source: openai/ppo-ewma ppg.py. Raises
+    ValueError unless 0 <= decay < 1."""
+    if not 0 <= decay < 1:
+        raise ValueError(f"EWMA decay must be in [0, 1), got {decay}")
+    with torch.no_grad():
+        new_sum = decay * weight_sum + 1
+        return (decay * weight_sum / new_sum) * ewma + theta / new_sum, new_sum
+
+
+def ppo_ewma_weights(
+    prox_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor,
+    imp_samp_max: float = 100.0,
+) -> torch.Tensor:
+    """PPO-EWMA behaviour weight [B, T] detached: exp(prox - max(rollout, logprobs.detach() - log imp_samp_max)),
+    1 at masked positions. With this weight and old_logprobs := prox_logprobs, POLICY_LOSSES["ppo_clip"]
+    (dual_clip=None) equals openai/ppo-ewma's max(-A exp(lp - mu_adj), -A exp(clip(lp - prox) + prox - mu_adj))
+    exactly, since both terms share the factor exp(prox - mu_adj), constant in theta (docs/math.md sec. 12)."""
+    mask = mask.bool()
+    mu_adj = torch.maximum(select(rollout_logprobs.detach(), mask), select(logprobs.detach(), mask) - math.log(imp_samp_max))
+    return select(clamped_exp(select(prox_logprobs.detach(), mask) - mu_adj), mask, fill=1.0).detach()
+
+
+# -- A-3PO approximate proximal policy (arXiv:2512.06547; AReaL docs prox_approx.md) -------------------------
+def a3po_alpha(v_behave: torch.Tensor, v_prox: torch.Tensor | float, v_theta: torch.Tensor | float) -> torch.Tensor:
+    """alpha = (v_prox - v_behave) / (v_theta - v_behave), clamped to [0, 1]; 0 where v_theta == v_behave
+    (no lag: the proximal policy is the behaviour one). Versions are integer policy versions, any broadcastable
+    shape ([B] or [B, T] for per-token versions)."""
+    v_behave = torch.as_tensor(v_behave, dtype=torch.float64)
+    num = torch.as_tensor(v_prox, dtype=torch.float64) - v_behave
+    den = torch.as_tensor(v_theta, dtype=torch.float64) - v_behave
+    return torch.where(den > 0, num / den.clamp_min(1e-12), torch.zeros_like(num)).clamp(0, 1)
+
+
+def a3po_proximal_logprobs(
+    logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, alpha: torch.Tensor | float, kind: str = "loglinear"
+) -> torch.Tensor:
+    """Approximate log pi_prox [B, T] (detached) without a recompute pass: loglinear = mu + alpha (lp - mu);
+    linear = log((1 - alpha) exp(mu) + alpha exp(lp)). alpha: scalar, [B] or [B, T]. Raises ValueError for an
+    unknown kind."""
+    lp, mu = logprobs.detach(), rollout_logprobs.detach()
+    a = torch.as_tensor(alpha, dtype=lp.dtype)
+    a = a.unsqueeze(-1) if a.dim() == 1 else a
+    if kind == "loglinear":
+        return mu + a * (lp - mu)
+    if kind == "linear":
+        return torch.logaddexp(torch.log1p(-a) + mu, torch.log(a) + lp)
+    raise ValueError(f"unknown A-3PO approximation {kind!r}; valid: loglinear, linear")
+
+
+# -- DLC: discrepancy-lag correction (reconstruction; docs/math.md sec. 13) ----------------------------------
+def normalized_ess(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(sum w)^2 / (n sum w^2) over valid positions, in (0, 1]; 1 for an empty mask. weights, mask [B, T]."""
+    mask = mask.bool()
+    w = select(weights.detach().double(), mask)
+    n = mask.sum()
+    return torch.where(n > 0, w.sum() ** 2 / (n * (w * w).sum()).clamp_min(1e-300), torch.ones((), dtype=w.dtype))
+
+
+def discrepancy_center(log_rho: torch.Tensor, defined: torch.Tensor, kind: str = "log_mean") -> torch.Tensor:
+    """Scalar centre c of the discrepancy log-ratio over the defined tokens of the WHOLE batch (compute once,
+    before micro-batching): log_mean = mean(log rho) (= -k1 KL(mu || pi_old)); weight_mean = log mean(rho)
+    (verl's batch normalisation); none = 0. Raises ValueError for an unknown kind."""
+    lr = select(log_rho.detach(), defined).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    if kind == "none":
+        return lr.new_zeros(())
+    if kind == "log_mean":
+        return masked_mean(lr, defined)
+    if kind == "weight_mean":
+        return torch.log(masked_mean(lr.exp(), defined).clamp_min(1e-8))
+    raise ValueError(f"unknown discrepancy centring {kind!r}; valid: none, log_mean, weight_mean")
+
+
+def dlc_weights(
+    log_rho: torch.Tensor, defined: torch.Tensor, center: torch.Tensor | float, lower: float = 0.0, upper: float = math.inf
+) -> torch.Tensor:
+    """DLC discrepancy weight [B, T] detached: clamp(exp(log rho - c), lower, upper) at defined tokens, 1
+    elsewhere. Used as `weights` of POLICY_LOSSES["ppo_clip"] with old_logprobs = pi_old, whose clip is the
+    lag-ratio clip on r = exp(lp - old)."""
+    centred = select(log_rho.detach(), defined) - torch.as_tensor(center, dtype=log_rho.dtype)
+    return select(clamped_exp(centred).clamp(lower, upper), defined, fill=1.0).detach()
+
+
+def dlc_resync_signal(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, threshold: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalised ESS of the lag weights exp(lp - old) over valid tokens, bool scalar ESS < threshold): when
+    True the policy has drifted far from the sampler and the engine should be re-synced before sampling more."""
+    lag = clamped_exp(select(logprobs.detach(), mask) - select(old_logprobs.detach(), mask))
+    ess = normalized_ess(lag, mask)
+    return ess, ess < threshold
+
+
+def score_centering_term(
+    head_logprobs: torch.Tensor, head_rollout_logprobs: torch.Tensor, head_mask: torch.Tensor, mask: torch.Tensor,
+    lower: float | None = None, upper: float | None = None,
+) -> torch.Tensor:
+    """Score-centering term C_t [B, T] (with grad through head_logprobs; 0 at masked positions).
+
+    At each position the engine reports its top-k set H (head_mask [B, T, K] bool): head_rollout_logprobs
+    [B, T, K] = log q(v) (engine), head_logprobs [B, T, K] = log p(v) (trainer, same transform, with grad).
+      rho_tail = (1 - sum_H q) / max(1 - sum_H p, 1e-6)
+      C_t = sum_{v in H} sg(mass(v) - alpha p(v)) log p(v)
+      no IS (lower = upper = None): mass = q, alpha = rho_tail
+      token TIS with w = clamp(p / q, lower, upper): mass = clamp(p, lower q, upper q), alpha = clamp(1, lower rho_tail,
+      upper rho_tail)
+    The loss adds A_t C_t per token, aggregated like the base loss. With p = q on H, C_t = 0.
+    Source: NeMo-RL docs "score centering" (compute_score_centering_term), citing arXiv:2609.20807 eq. 14."""
+    valid = head_mask.bool() & mask.bool().unsqueeze(-1)
+    logp = select(head_logprobs, valid, fill=-math.inf)
+    logq = select(head_rollout_logprobs.detach(), valid, fill=-math.inf)
+    p, q = logp.detach().exp(), logq.exp()
+    rho_tail = (1 - q.sum(-1, keepdim=True)).clamp_min(0) / (1 - p.sum(-1, keepdim=True)).clamp_min(1e-6)
+    if lower is None and upper is None:
+        mass, alpha = q, rho_tail
+    else:
+        lo = 0.0 if lower is None else lower
+        mass, alpha = torch.maximum(p, lo * q), torch.maximum(torch.ones_like(rho_tail), lo * rho_tail)
+        if upper is not None:
+            mass, alpha = torch.minimum(mass, upper * q), torch.minimum(alpha, upper * rho_tail)
+    coef = select(mass - alpha * p, valid).detach()
+    return select((coef * select(head_logprobs, valid)).sum(-1), mask.bool())
+
+
+# -- AIS mixing coefficient (reconstruction; docs/math.md sec. 14) -------------------------------------------
+def ais_lambda(
+    log_rho: torch.Tensor, defined: torch.Tensor, severity_scale: float = 1e-3
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-batch mixing coefficient lambda in [0, 1] (float64 scalar) and its three diagnostics, over the
+    defined tokens of the WHOLE batch, with w = exp(clamp(log rho, +-20)), log rho = old - rollout:
+      reliability   R = normalised ESS of w                         in (0, 1]
+      severity      S = mean(w - 1 - log rho)  (k3 KL(mu || pi_old), nats)   >= 0
+      amplification V = max(mean(w^2) - 1, 0)  (chi-square)                  >= 0
+      lambda = S / (S + severity_scale) * R / (1 + V)
+    Reconstructed from the abstract of arXiv:2605.13907 (the paper's formulas are not public)."""
+    lr = select(log_rho.detach().double(), defined).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    w = lr.exp()
+    reliability = normalized_ess(w, defined)
+    severity = masked_mean(w - 1 - lr, defined).clamp_min(0)
+    amplification = (masked_mean(w * w, defined) - 1).clamp_min(0)
+    lam = severity / (severity + severity_scale) * reliability / (1 + amplification)
+    return lam.clamp(0, 1), {"ais/reliability": reliability, "ais/severity": severity,
+                             "ais/amplification": amplification, "ais/lambda": lam.clamp(0, 1)}
+
+
+def mix_weights(weights: torch.Tensor, lam: torch.Tensor | float, keep: torch.Tensor) -> torch.Tensor:
+    """w_eff = (1 - lambda) + lambda w at kept tokens, `weights` unchanged elsewhere ([B, T], detached). For a
+    loss linear in the weight this is (1 - lambda) g_uncorrected + lambda g_IS."""
+    lam = torch.as_tensor(lam, dtype=weights.dtype)
+    return torch.where(keep.bool(), (1 - lam) + lam * weights, weights).detach()

@@ -1,0 +1,44 @@
+"""Markdown summary of a run folder's metrics.jsonl: eval accuracy, mismatch over the run, step timings."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/chi2", "mismatch/ess", "mismatch/max_abs_logprob_diff",
+                 "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2",
+                 "correction/frac_high"]
+TIME_KEYS = ["time/rollout", "time/recompute", "time/update", "time/sync", "time/eval", "time/step",
+             "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _stats(rows: list[dict], key: str) -> tuple[float, float, float, float] | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    if not values:
+        return None
+    return min(values), statistics.median(values), statistics.fmean(values), max(values)
+
+
+def summarize(run_dir: Path) -> str:
+    rows = read_metrics(run_dir)
+    steps = [r for r in rows if "reward/mean" in r]
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    out = [f"### Run `{Path(run_dir).name}`: {len(steps)} training steps", "",
+           "| step | eval accuracy (greedy, held-out) |", "|---|---|"]
+    out += [f"| {s} | {a:.3f} |" for s, a in evals]
+    out += ["", "| metric | min | median | mean | max |", "|---|---|---|---|---|"]
+    for key in ["reward/mean", "response/length_mean", "entropy", *MISMATCH_KEYS, *TIME_KEYS]:
+        st = _stats(steps, key)
+        if st is not None:
+            out.append(f"| {key} | " + " | ".join(f"{v:.4g}" for v in st) + " |")
+    train_seconds = sum(r.get("time/step", 0.0) for r in steps)
+    out += ["", f"Training time (sum of step times, evals included): {train_seconds / 60:.1f} min."]
+    return "\n".join(out)

@@ -1,0 +1,117 @@
+"""MC-GRPO advantages and its pivot keep-mask (float64, loop reference + hand-computed cases)."""
+
+import math
+
+import pytest
+import torch
+
+from nearpolicy.ops.advantages import ADVANTAGES, compute_advantages, mc_grpo_advantages, mc_grpo_pivot
+from nearpolicy.ops.losses import PolicyLossInput, policy_loss, PolicyLossParams
+
+torch.set_default_dtype(torch.float64)
+MC = ["mc_grpo", "mc_grpo_mad", "mc_grpo_released"]
+
+
+def _lower_median(xs):
+    return sorted(xs)[(len(xs) - 1) // 2]
+
+
+def _loop_reference(rewards, groups, scale, rescale):
+    """Plain-Python MC-GRPO: (advantages, keep)."""
+    r, g = rewards.tolist(), groups.tolist()
+    adv, keep = [0.0] * len(r), [True] * len(r)
+    for gid in set(g):
+        members = [i for i in range(len(r)) if g[i] == gid and math.isfinite(r[i])]
+        if len(members) < 2:
+            continue
+        ranked = sorted(members, key=lambda i: (r[i], i))
+        pivot = ranked[(len(ranked) - 1) // 2]
+        med = r[pivot]
+        keep[pivot] = False
+        s = _lower_median([abs(r[i] - med) for i in members]) + 1e-3 if scale == "mad" else 1.0
+        a = {i: (r[i] - med) / s for i in members}
+        if rescale:
+            nonzero = [i for i in members if abs(a[i]) > 1e-6]
+            for i in nonzero:
+                a[i] *= len(members) / len(nonzero)
+        for i in members:
+            adv[i] = 0.0 if i == pivot else a[i]
+    return torch.tensor(adv), torch.tensor(keep)
+
+
+def test_hand_computed_three_samples():
+    rewards, groups = torch.tensor([3.0, 1.0, 2.0]), torch.tensor([0, 0, 0])
+    out = mc_grpo_advantages(rewards, groups)
+    assert torch.equal(out.advantages, torch.tensor([1.0, -1.0, 0.0]))
+    assert torch.equal(out.keep, torch.tensor([True, True, False]))
+    mad = mc_grpo_advantages(rewards, groups, "mad").advantages  # |dev| = [1, 1, 0] -> MAD 1
+    assert torch.allclose(mad, torch.tensor([1 / 1.001, -1 / 1.001, 0.0]), rtol=1e-15, atol=0)
+    released = mc_grpo_advantages(rewards, groups, "mad", rescale_nonzero=True).advantages
+    assert torch.allclose(released, torch.tensor([1.5 / 1.001, -1.5 / 1.001, 0.0]), rtol=1e-15, atol=0)
+
+
+def test_binary_rewards_with_ties_pick_one_pivot():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])  # lower median 1; stable order puts index 0 at position 2
+    median, keep = mc_grpo_pivot(rewards, torch.zeros(5, dtype=torch.long))
+    assert torch.equal(median, torch.ones(5))
+    assert torch.equal(keep, torch.tensor([False, True, True, True, True]))
+    assert torch.equal(mc_grpo_advantages(rewards, torch.zeros(5, dtype=torch.long)).advantages,
+                       torch.tensor([0.0, 0.0, -1.0, 0.0, -1.0]))
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("scale,rescale", [("none", False), ("mad", False), ("mad", True)])
+def test_matches_loop_reference_on_random_uneven_groups(seed, scale, rescale):
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.randint(0, 5, (23,), generator=g) * 7  # uneven sizes, non-contiguous ids
+    rewards = torch.randint(0, 4, (23,), generator=g).double() + (0.5 * torch.rand(23, generator=g) if seed % 2 else 0)
+    rewards[torch.rand(23, generator=g) < 0.15] = float("nan")
+    out = mc_grpo_advantages(rewards, groups, scale, rescale)
+    adv, keep = _loop_reference(rewards, groups, scale, rescale)
+    assert torch.allclose(out.advantages, adv, rtol=1e-13, atol=0)
+    assert torch.equal(out.keep, keep)
+
+
+def test_permuting_the_batch_permutes_the_result():
+    g = torch.Generator().manual_seed(11)
+    groups = torch.randint(0, 4, (17,), generator=g)
+    rewards = torch.rand(17, generator=g)  # no ties, so the pivot is unique
+    perm = torch.randperm(17, generator=g)
+    a, b = mc_grpo_advantages(rewards, groups, "mad"), mc_grpo_advantages(rewards[perm], groups[perm], "mad")
+    assert torch.equal(b.advantages, a.advantages[perm]) and torch.equal(b.keep, a.keep[perm])
+
+
+@pytest.mark.parametrize("name", MC)
+def test_degenerate_groups_give_finite_zeros_and_keep_singletons(name):
+    rewards = torch.tensor([2.0, 2.0, 2.0, 7.0, float("nan"), 1.0, float("nan")])
+    groups = torch.tensor([0, 0, 0, 1, 2, 2, 3])  # constant, singleton, one scorable member, all unscorable
+    out = compute_advantages(name, rewards, groups)
+    assert torch.equal(out.advantages, torch.zeros(7))
+    assert torch.equal(out.keep, torch.tensor([True, False, True, True, True, True, True]))  # middle of the tie
+    empty = compute_advantages(name, torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    assert empty.advantages.numel() == 0 and empty.keep.numel() == 0
+
+
+def test_compute_advantages_keeps_every_sample_for_other_estimators():
+    rewards, groups = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 0, 0])
+    for name in ADVANTAGES.names():
+        out = compute_advantages(name, rewards, groups)
+        assert torch.equal(out.advantages, ADVANTAGES.get(name)(rewards, groups))
+        assert out.keep.all() == (name not in MC)
+    with pytest.raises(KeyError, match="mc_grpo_mad"):
+        compute_advantages("median", rewards, groups)
+
+
+def test_pivot_excluded_from_loss_and_denominator():
+    """Masking the pivot's tokens: the loss equals the loss of the batch without the pivot row."""
+    rewards, groups = torch.tensor([3.0, 1.0, 2.0, 0.0]), torch.tensor([0, 0, 0, 0])
+    out = compute_advantages("mc_grpo", rewards, groups)  # lower median 1 -> pivot index 1
+    g = torch.Generator().manual_seed(0)
+    lp, old = -torch.rand(4, 5, generator=g), -torch.rand(4, 5, generator=g)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    eff = mask & out.keep[:, None]
+    loss, _ = policy_loss("ppo_clip", PolicyLossInput(lp, old, out.advantages, eff, eff.sum()), PolicyLossParams())
+    rows = out.keep
+    ref, _ = policy_loss("ppo_clip", PolicyLossInput(lp[rows], old[rows], out.advantages[rows], mask[rows], mask[rows].sum()),
+                         PolicyLossParams())
+    assert not out.keep[1] and loss.item() == ref.item()
