@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nearpolicy.batching import collate
-from nearpolicy.ops.corrections import TokenCorrection
+from nearpolicy.ops.corrections import CorrectionSpec
+from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.types import Rollout, SamplingParams
 from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
 
@@ -31,7 +32,8 @@ def model_and_batch(tiny_model_dir):
 
 
 def _settings(minibatches, micro):
-    return UpdateSettings(minibatches, micro, 1e9, 0.2, 0.28, 3.0, TokenCorrection("off"))
+    return UpdateSettings(minibatches, micro, 1e9, "ppo_clip", PolicyLossParams(0.2, 0.28, 3.0), "token-mean", None,
+                          CorrectionSpec())
 
 
 def _grads_after_update(model, batch, micro, fused):

@@ -30,11 +30,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     from nearpolicy.ops.advantages import ADVANTAGES
+    from nearpolicy.ops.correction_presets import CORRECTIONS
+    from nearpolicy.ops.losses import POLICY_LOSSES
 
-    for registry in (ADVANTAGES,):
-        print(f"{registry.family}s:")
+    for registry in (ADVANTAGES, POLICY_LOSSES, CORRECTIONS):
+        print(f"{registry.family}{'es' if registry.family.endswith('s') else 's'}:")
         for entry in registry:
-            print(f"  {entry.name:<12} {entry.summary}  [{entry.source}]")
+            print(f"  {entry.name:<28} {entry.summary}  [{entry.source}]")
     return 0
 
 

@@ -3,7 +3,6 @@ naming the key. Derived values go into the run plan (trainer.py), never back int
 
 from __future__ import annotations
 
-import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -87,8 +86,23 @@ class TaskConfig(Section):
         return self
 
 
+def _registered(registry_module: str, registry: str, value: str, aliases: tuple[str, ...] = ()) -> str:
+    import importlib
+
+    names = getattr(importlib.import_module(registry_module), registry).names()
+    if value not in names and value not in aliases:
+        raise ValueError(f"unknown name {value!r}; valid: {', '.join(list(aliases) + names)}")
+    return value
+
+
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce"] = "grpo"
+    advantage: str = "grpo"
+    """Advantage estimator (`nearpolicy list`): grpo, dr_grpo, rloo, reinforce, mc_grpo, ..."""
+    loss: str = "ppo_clip"
+    """Policy loss (`nearpolicy list`): ppo_clip, gspo, cispo, reinforce, importance_sampling, pnpo, ..."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    aggregation_constant: float | None = Field(None, gt=0)
+    """Denominator of seq-mean-token-sum-norm (default: sampling.max_new_tokens)."""
     group_size: int = Field(8, ge=1)
     """G: samples per prompt."""
     prompts_per_step: int = Field(8, ge=1)
@@ -103,9 +117,19 @@ class AlgorithmConfig(Section):
     clip_low: float = Field(0.2, ge=0, lt=1)
     clip_high: float = Field(0.28, ge=0)
     dual_clip: float | None = Field(3.0, gt=1)
-    correction: Literal["none", "tis"] = "tis"
-    """Engine/trainer mismatch correction: none, or token-level truncated importance sampling."""
-    tis_cap: float = Field(2.0, gt=1)
+    kl_coef: float = Field(0.0, ge=0)
+    """Coefficient of the KL penalty to the reference policy (the initial model.path weights); 0 = none."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+
+    @field_validator("advantage")
+    @classmethod
+    def _advantage_known(cls, value: str) -> str:
+        return _registered("nearpolicy.ops.advantages", "ADVANTAGES", value)
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_known(cls, value: str) -> str:
+        return _registered("nearpolicy.ops.losses", "POLICY_LOSSES", value)
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "AlgorithmConfig":
@@ -115,6 +139,44 @@ class AlgorithmConfig(Section):
                 f"algorithm.minibatches ({self.minibatches}) must divide group_size * prompts_per_step ({samples})"
             )
         return self
+
+
+class CorrectionConfig(Section):
+    """Engine/trainer mismatch correction: a named preset (`nearpolicy list`), optionally with fields replaced."""
+
+    preset: str = "tis"
+    """Named correction; "none" is an alias of "off" (no correction)."""
+    level: Literal["token", "sequence", "geometric", "prefix_min", "prefix_geometric"] | None = None
+    action: Literal["off", "none", "truncate", "mask"] | None = None
+    lower: float | None = Field(None, ge=0)
+    upper: float | None = Field(None, gt=0)
+    mode: Literal["decoupled", "bypass"] | None = None
+    """decoupled: weight pi_old / mu, PPO ratio vs pi_old (AReaL); bypass: PPO ratio vs the engine's log-probs."""
+    veto: float | None = Field(None, gt=0, lt=1)
+    """Reject a whole sequence when any token ratio is below this."""
+    mix: float | None = Field(None, ge=0, le=1)
+    adaptive_mix: Literal["none", "ais"] = "none"
+    """ais: per-batch lambda mixing uncorrected and corrected gradients (docs/math.md, AIS reconstruction)."""
+    center: Literal["none", "log_mean", "weight_mean"] = "none"
+    """DLC numerical-discrepancy centring of log(pi_old / mu) over the batch before the correction."""
+
+    @field_validator("preset")
+    @classmethod
+    def _preset_known(cls, value: str) -> str:
+        return _registered("nearpolicy.ops.correction_presets", "CORRECTIONS", value, aliases=("none",))
+
+    @model_validator(mode="after")
+    def _spec_builds(self) -> "CorrectionConfig":
+        self.spec()
+        return self
+
+    def spec(self):
+        """The composable CorrectionSpec this section describes. Raises ValueError for inconsistent bounds."""
+        from nearpolicy.ops.correction_presets import correction_spec
+
+        fields = ("level", "action", "lower", "upper", "mode", "veto", "mix")
+        overrides = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
 
 
 class LoggingConfig(Section):
@@ -132,6 +194,7 @@ class Config(Section):
     sampling: SamplingConfig = SamplingConfig()
     task: TaskConfig = TaskConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    correction: CorrectionConfig = CorrectionConfig()
     logging: LoggingConfig = LoggingConfig()
 
 
@@ -191,6 +254,3 @@ def _describe(err: ValidationError, path: Path | None) -> str:
             lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})")
     return where + "invalid config: " + "; ".join(lines)
 
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)

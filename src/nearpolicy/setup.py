@@ -23,6 +23,7 @@ class Session:
     template_gguf: Path | None
     engine_dir: Path
     plan: dict = field(default_factory=dict)
+    ref_model: torch.nn.Module | None = None
 
     @property
     def pad_id(self) -> int:
@@ -106,9 +107,13 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
         "eval_problems": len(task.eval_problems()),
         "stop_token_ids": sorted(stop_token_ids(tokenizer, model)),
     }
+    ref_model = None
+    if a.kl_coef > 0:  # the reference policy: the model.path weights, frozen (the same after a resume)
+        ref_model = load_policy(cfg.model.path)[0].float().eval().requires_grad_(False)
+    plan["correction"] = repr(cfg.correction.spec())
     log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
         f"{plan['samples_per_step']} samples/step, run folder {run_dir}")
-    return Session(cfg, model, tokenizer, task, engine, optimizer, template, engine_dir, plan)
+    return Session(cfg, model, tokenizer, task, engine, optimizer, template, engine_dir, plan, ref_model)
 
 
 def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path):

@@ -13,8 +13,9 @@ import torch
 
 from nearpolicy.batching import collate
 from nearpolicy.config import Config
-from nearpolicy.ops.advantages import ADVANTAGES
-from nearpolicy.ops.corrections import TokenCorrection, mismatch_log_ratio
+from nearpolicy.ops.advantages import compute_advantages
+from nearpolicy.ops.corrections import mismatch_log_ratio
+from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.ops.diagnostics import mismatch_metrics
 from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save_checkpoint, write_json
 from nearpolicy.setup import Session, build_session
@@ -38,10 +39,11 @@ class TrainState:
 
 
 def _update_settings(cfg: Config) -> UpdateSettings:
-    a = cfg.algorithm
-    correction = TokenCorrection("truncate", 0.0, a.tis_cap) if a.correction == "tis" else TokenCorrection("off")
-    return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.clip_low, a.clip_high,
-                          a.dual_clip, correction)
+    a, c = cfg.algorithm, cfg.correction
+    params = PolicyLossParams(a.clip_low, a.clip_high, a.dual_clip, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+    constant = a.aggregation_constant or float(cfg.sampling.max_new_tokens)
+    return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.loss, params, a.aggregation, constant,
+                          c.spec(), c.center, c.adaptive_mix)
 
 
 class Trainer:
@@ -102,17 +104,19 @@ class Trainer:
         self.score(rollouts, by_group)
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         groups = torch.tensor([r.group_id for r in rollouts])
-        advantages = ADVANTAGES.get(cfg.algorithm.advantage)(rewards, groups).float()
+        adv = compute_advantages(cfg.algorithm.advantage, rewards, groups)
+        advantages = adv.advantages.float()
         batch = collate(rollouts, self.s.pad_id, self.s.vocab_size)
         old_logprobs = entropy = None
         t["time/recompute"] = 0.0
-        if cfg.algorithm.minibatches > 1:  # with one mini-batch the recompute is fused into the update
+        if cfg.algorithm.minibatches > 1 or self.settings.needs_batch_statistics:  # else fused into the update
             t0 = time.perf_counter()
             old_logprobs, entropy = recompute_logprobs(self.s.model, batch, self.sampling, cfg.algorithm.micro_batch_size)
             t["time/recompute"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         actor, old_logprobs, fused_entropy = policy_update(
-            self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling, self.settings)
+            self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling, self.settings,
+            sample_keep=adv.keep, ref_model=self.s.ref_model)
         entropy = entropy if fused_entropy is None else fused_entropy
         t["time/update"] = time.perf_counter() - t0
         _, defined = mismatch_log_ratio(old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)

@@ -1,17 +1,21 @@
 """One policy update on a rollout batch: mini-batches, micro-batch gradient accumulation, clipping.
 
-The loss of a mini-batch is normalised by the valid tokens of the whole mini-batch (the accumulation group),
-so the gradient does not depend on the micro-batch size (invariant 7)."""
+The loss of a mini-batch is aggregated over the whole mini-batch (the accumulation group): its denominator is
+computed from the mini-batch's loss mask once, so the gradient does not depend on the micro-batch size
+(invariant 7). Batch statistics of the mismatch (DLC centre, AIS lambda) are computed once over the whole batch
+before micro-batching."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from nearpolicy.batching import TokenBatch
-from nearpolicy.ops.corrections import TokenCorrection, token_correction_weights
-from nearpolicy.ops.losses import PolicyLossInput, ppo_clip_loss
+from nearpolicy.ops.corrections import CorrectionSpec, mismatch_correction, mismatch_log_ratio
+from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
+from nearpolicy.ops.masked import aggregation_denominator
+from nearpolicy.ops.proximal import ais_lambda, discrepancy_center
 from nearpolicy.policy import sequence_logprobs
 from nearpolicy.types import SamplingParams
 
@@ -21,10 +25,17 @@ class UpdateSettings:
     minibatches: int
     micro_batch_size: int
     max_grad_norm: float
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    correction: TokenCorrection
+    loss: str
+    loss_params: PolicyLossParams
+    aggregation: str
+    aggregation_constant: float | None
+    correction: CorrectionSpec
+    center: str = "none"  # DLC discrepancy centring: none, log_mean, weight_mean
+    adaptive_mix: str = "none"  # none or ais
+
+    @property
+    def needs_batch_statistics(self) -> bool:
+        return self.center != "none" or self.adaptive_mix != "none"
 
 
 @torch.no_grad()
@@ -34,50 +45,76 @@ def recompute_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Samp
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+def batch_correction(batch: TokenBatch, old_logprobs: torch.Tensor, settings: UpdateSettings) -> tuple[torch.Tensor, CorrectionSpec, dict[str, float]]:
+    """Apply the batch-level parts of the correction: returns (rollout log-probs shifted by the DLC centre,
+    the spec with the AIS lambda as its mix, metrics)."""
+    rollout, spec, metrics = batch.rollout_logprobs, settings.correction, {}
+    if not settings.needs_batch_statistics:
+        return rollout, spec, metrics
+    log_rho, defined = mismatch_log_ratio(old_logprobs, rollout, batch.mask, batch.has_rollout)
+    center = discrepancy_center(log_rho, defined, settings.center)
+    metrics["correction/dlc_center"] = float(center)
+    rollout = rollout + center  # log(pi_old / mu) - c: the centring, as a shift of the engine's log-probs
+    if settings.adaptive_mix == "ais":
+        lam, ais = ais_lambda(log_rho - center, defined)
+        spec = replace(spec, mix=float(lam))
+        metrics |= {k: float(v) for k, v in ais.items()}
+    return rollout, spec, metrics
+
+
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: TokenBatch,
                   old_logprobs: torch.Tensor | None, advantages: torch.Tensor, sampling: SamplingParams,
-                  settings: UpdateSettings) -> tuple[dict[str, float], torch.Tensor, torch.Tensor | None]:
-    """Run `minibatches` optimizer steps over the batch. advantages [B].
+                  settings: UpdateSettings, sample_keep: torch.Tensor | None = None,
+                  ref_model: torch.nn.Module | None = None) -> tuple[dict[str, float], torch.Tensor, torch.Tensor | None]:
+    """Run `minibatches` optimizer steps over the batch. advantages [B]; sample_keep [B] bool (False = left out
+    of the gradient, e.g. MC-GRPO's pivot); ref_model gives ref_logprobs for the KL penalty.
 
-    `old_logprobs=None` fuses the recompute into the update (only with one mini-batch: the weights have not
-    moved before each micro-batch's forward, so old_logprobs = logprobs.detach() exactly, invariant 8).
-    Returns (step metrics as floats, old_logprobs [B, T], entropy [B, T] or None when not fused).
+    `old_logprobs=None` fuses the recompute into the update (only with one mini-batch and no batch statistics:
+    the weights have not moved before each micro-batch's forward, so old_logprobs = logprobs.detach() exactly,
+    invariant 8). Returns (step metrics as floats, old_logprobs [B, T], entropy [B, T] or None when not fused).
     A mini-batch whose gradient is not finite is skipped (optimizer not stepped) and counted."""
     n = len(batch)
     size = n // settings.minibatches
     fused = old_logprobs is None
-    if fused and settings.minibatches != 1:
-        raise ValueError("old_logprobs can only be fused into the update with a single mini-batch")
+    if fused and (settings.minibatches != 1 or settings.needs_batch_statistics):
+        raise ValueError("old_logprobs can only be fused into the update with a single mini-batch and no batch statistics")
+    entropy = None
     if fused:
-        old_logprobs = torch.zeros(batch.mask.shape)
-        entropy = torch.zeros(batch.mask.shape)
-    totals: dict[str, float] = {}
+        old_logprobs, entropy = torch.zeros(batch.mask.shape), torch.zeros(batch.mask.shape)
+        rollout, spec, totals = batch.rollout_logprobs, settings.correction, {}
+    else:
+        rollout, spec, totals = batch_correction(batch, old_logprobs, settings)
+    loss_mask = batch.mask & (sample_keep[:, None] if sample_keep is not None else True)
     skipped = 0
     for start in range(0, n, size):
         rows = slice(start, start + size)
-        mini, mini_old, mini_adv = batch.select(rows), old_logprobs[rows], advantages[rows]
-        denom = mini.mask.sum().clamp_min(1)
+        mini_mask = loss_mask[rows]
+        tokens = mini_mask.sum().clamp_min(1)
+        denom = aggregation_denominator(mini_mask, settings.aggregation, settings.aggregation_constant)
         optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
-        for m0 in range(0, len(mini), settings.micro_batch_size):
-            part = slice(m0, m0 + settings.micro_batch_size)
-            micro = mini.select(part)
+        for m0 in range(start, start + size, settings.micro_batch_size):
+            part = slice(m0, min(m0 + settings.micro_batch_size, start + size))
+            micro = batch.select(part)
             logprobs, micro_entropy = sequence_logprobs(model, micro, sampling)
             if fused:
-                mini_old[part] = logprobs.detach()
-                entropy[start:start + size][part] = micro_entropy
-            weights, corr_metrics = token_correction_weights(
-                mini_old[part], micro.rollout_logprobs, micro.mask, micro.has_rollout, settings.correction
-            )
-            loss, metrics = ppo_clip_loss(
-                PolicyLossInput(logprobs, mini_old[part], mini_adv[part], micro.mask, denom, weights),
-                settings.clip_low, settings.clip_high, settings.dual_clip,
+                old_logprobs[part], entropy[part] = logprobs.detach(), micro_entropy
+            result, proximal = mismatch_correction(spec, logprobs, old_logprobs[part], rollout[part],
+                                                   loss_mask[part], micro.has_rollout)
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref = sequence_logprobs(ref_model, micro, sampling)[0]
+            loss, metrics = policy_loss(
+                settings.loss,
+                PolicyLossInput(logprobs, proximal, advantages[part], loss_mask[part], tokens, result.weights, ref),
+                settings.loss_params, settings.aggregation, denom,
             )
             loss.backward()
-            share = micro.mask.sum() / denom
+            share = loss_mask[part].sum() / tokens
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 sums[key] = sums.get(key, 0) + value
-            for key, value in corr_metrics.items():
+            for key, value in result.metrics.items():
                 sums[key] = sums.get(key, 0) + value * share
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         if torch.isfinite(grad_norm) and torch.isfinite(sums["loss"]):
@@ -89,4 +126,4 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             totals[key] = totals.get(key, 0.0) + float(value) / settings.minibatches
     totals["skipped_minibatches"] = float(skipped)
     metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in totals.items()}
-    return metrics, old_logprobs, entropy if fused else None
+    return metrics, old_logprobs, entropy
