@@ -23,7 +23,17 @@ def _train(args: argparse.Namespace) -> int:
     except (RunExistsError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    run_dir = trainer.fit()
+    from nearpolicy.engines.base import EngineError
+    from nearpolicy.runs import list_checkpoints
+
+    try:
+        run_dir = trainer.fit()
+    except (KeyboardInterrupt, EngineError, ValueError) as err:
+        saved = list_checkpoints(trainer.run_dir)
+        where = f"last checkpoint {saved[-1]} (continue with --resume)" if saved else "no checkpoint was written yet"
+        reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
+        print(f"{reason} at step {trainer.state.step}; {where}", file=sys.stderr)
+        return 130 if isinstance(err, KeyboardInterrupt) else 1
     print(f"done: metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", file=sys.stderr)
     return 0
 

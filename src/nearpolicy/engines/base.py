@@ -31,6 +31,10 @@ class RolloutEngine(Protocol):
         """Engine log-probs [T] of `completion_ids` after `prompt_ids` under the sampling transform."""
         ...
 
+    def is_stop_token(self, token: int) -> bool:
+        """True for every id that ends a response (the engine's end-of-generation set)."""
+        ...
+
     def update_weights(self, source: Path | dict, version: int) -> None:
         """Load new policy weights (a GGUF path or a state dict, by engine) and set the policy version."""
         ...

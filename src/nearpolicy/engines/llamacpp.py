@@ -163,11 +163,9 @@ class LlamaCppEngine:
         for lead in leaders.values():
             p = lead.request.prompt_ids
             entries += [(t, i, lead.seq_id, i == len(p) - 1) for i, t in enumerate(p)]
-        rows = self._decode(entries)
+        rows = self._decode(entries)  # one logits row per leader, in leader order
         mem = lib.llama_get_memory(self._ctx)
-        row_of = {}
-        for k, (key, lead) in enumerate(leaders.items()):
-            row_of[key] = k
+        row_of = {key: k for k, key in enumerate(leaders)}
         for s in seqs:
             lead = leaders[id(s.request)]
             if s is not lead:
