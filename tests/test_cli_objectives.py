@@ -34,6 +34,21 @@ FAMILIES = {
 }
 
 
+def test_on_policy_distillation_run(tiny_gguf_factory, tmp_path):
+    teacher = tiny_gguf_factory("f16")
+    extra = ["engine.precision=q4_0", "run.steps=2", f"distill.teacher='{teacher}'", "algorithm.loss=importance_sampling",
+             "correction.preset=bypass_ppo_clip"]
+    proc = _train(_base(tiny_gguf_factory("f32"), tmp_path, "opd", *extra), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _metrics(tmp_path / "opd")
+    # At step 1 the teacher (f16 copy of the initial weights) equals pi_old up to f16 rounding, so the teacher KL
+    # mean(log mu - log teacher) must equal the measured k1 mismatch mean(log mu - log pi_old) of the q4_0 engine.
+    first = rows[1]
+    assert first["distill/teacher_kl"] == pytest.approx(first["mismatch/k1"], abs=0.01)
+    assert first["mismatch/k1"] > 0.05  # q4_0 on the tiny random model: a large, real mismatch
+    assert all(r["actor/grad_norm"] > 0 for r in rows[1:])  # the distillation advantage drives an update
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_three_step_run_per_family(tiny_gguf_factory, tmp_path, family):
     extra = ["engine.precision=q4_0", "run.steps=3", "logging.eval_every=3", "logging.checkpoint_every=3",

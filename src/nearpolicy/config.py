@@ -179,6 +179,18 @@ class CorrectionConfig(Section):
         return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
 
 
+class DistillConfig(Section):
+    """On-policy distillation: per-token reverse KL to a teacher on the student's samples (docs/math.md sec. 15)."""
+
+    teacher: str | None = None
+    """Teacher model ("smollm2", a GGUF or an HF folder with the same tokenizer); None = no distillation."""
+    coef: float = Field(1.0, gt=0)
+    """Token advantage A_t = -coef (log mu(y_t) - log pi_teacher(y_t)) (+ discounted future terms)."""
+    discount: float = Field(0.0, ge=0, le=1)
+    reward_weight: float = Field(0.0, ge=0)
+    """Weight of the task's GRPO-family advantage added to the distillation advantage (0 = pure distillation)."""
+
+
 class LoggingConfig(Section):
     eval_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(10, ge=1)
@@ -195,6 +207,7 @@ class Config(Section):
     task: TaskConfig = TaskConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     correction: CorrectionConfig = CorrectionConfig()
+    distill: DistillConfig = DistillConfig()
     logging: LoggingConfig = LoggingConfig()
 
 

@@ -24,6 +24,7 @@ class Session:
     engine_dir: Path
     plan: dict = field(default_factory=dict)
     ref_model: torch.nn.Module | None = None
+    teacher: torch.nn.Module | None = None
 
     @property
     def pad_id(self) -> int:
@@ -110,10 +111,16 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     ref_model = None
     if a.kl_coef > 0:  # the reference policy: the model.path weights, frozen (the same after a resume)
         ref_model = load_policy(cfg.model.path)[0].float().eval().requires_grad_(False)
+    teacher = None
+    if cfg.distill.teacher is not None:
+        teacher, teacher_tokenizer = load_policy(cfg.distill.teacher)
+        if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"distill.teacher {cfg.distill.teacher!r} has a different tokenizer from the policy")
+        teacher = teacher.float().eval().requires_grad_(False)
     plan["correction"] = repr(cfg.correction.spec())
     log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
         f"{plan['samples_per_step']} samples/step, run folder {run_dir}")
-    return Session(cfg, model, tokenizer, task, engine, optimizer, template, engine_dir, plan, ref_model)
+    return Session(cfg, model, tokenizer, task, engine, optimizer, template, engine_dir, plan, ref_model, teacher)
 
 
 def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path):

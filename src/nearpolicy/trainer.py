@@ -15,7 +15,9 @@ from nearpolicy.batching import collate
 from nearpolicy.config import Config
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
+from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.losses import PolicyLossParams
+from nearpolicy.policy import sequence_logprobs
 from nearpolicy.ops.diagnostics import mismatch_metrics
 from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save_checkpoint, write_json
 from nearpolicy.setup import Session, build_session
@@ -82,6 +84,19 @@ class Trainer:
                 self.state.scorer_errors += 1
                 r.reward = 0.0
 
+    def distill_advantages(self, batch, task_advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token advantages [B, T]: on-policy distillation from the engine's log-probs of its own samples and the
+        teacher's (plain log-softmax), plus distill.reward_weight x the task advantage."""
+        d = self.cfg.distill
+        plain = SamplingParams(1.0, 1.0, 0, self.cfg.sampling.max_new_tokens)
+        with torch.no_grad():
+            teacher = torch.cat([sequence_logprobs(self.s.teacher, batch.select(slice(i, i + 8)), plain)[0]
+                                 for i in range(0, len(batch), 8)])
+        defined = batch.mask & batch.has_rollout
+        token_adv, metrics = opd_advantages(batch.rollout_logprobs, teacher, defined, d.coef, d.discount)
+        total = token_adv + d.reward_weight * task_advantages[:, None]
+        return total.float(), {"distill/teacher_kl": float(metrics["teacher_kl"])}
+
     def sync(self) -> None:
         self.state.version += 1
         self.s.sync_engine(self.state.version)
@@ -107,6 +122,9 @@ class Trainer:
         adv = compute_advantages(cfg.algorithm.advantage, rewards, groups)
         advantages = adv.advantages.float()
         batch = collate(rollouts, self.s.pad_id, self.s.vocab_size)
+        distill_metrics = {}
+        if self.s.teacher is not None:
+            advantages, distill_metrics = self.distill_advantages(batch, advantages)
         old_logprobs = entropy = None
         t["time/recompute"] = 0.0
         if cfg.algorithm.minibatches > 1 or self.settings.needs_batch_statistics:  # else fused into the update
@@ -134,7 +152,7 @@ class Trainer:
             "response/frac_truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
             "entropy": float(entropy[batch.mask].mean()),
             **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
-            **actor, **t,
+            **actor, **t, **distill_metrics,
             "throughput/rollout_tokens_per_s": n_tokens / max(t["time/rollout"], 1e-9),
             "throughput/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t["time/update"], 1e-9),
             "policy/version": float(self.state.version),
