@@ -48,3 +48,20 @@ def test_malformed_toml_and_missing_file(tmp_path):
 def test_override_without_equals_is_rejected():
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["run.steps"])
+
+
+def test_main_job_config_is_the_embedded_defaults():
+    from pathlib import Path
+
+    main = load_config(Path(__file__).parent.parent / "configs" / "main.toml")
+    defaults = load_config(None)
+    assert main.model_copy(update={"correction": defaults.correction}) == defaults
+    assert main.correction.spec() == defaults.correction.spec()
+
+
+def test_correction_overrides_replace_preset_fields_and_bad_bounds_name_the_section():
+    cfg = load_config(None, ["correction.preset=token_mis", "correction.upper=3.0"])
+    spec = cfg.correction.spec()
+    assert (spec.level, spec.action, spec.lower, spec.upper) == ("token", "mask", 0.5, 3.0)
+    with pytest.raises(ConfigError, match="correction"):
+        load_config(None, ["correction.preset=token_mis", "correction.lower=5.0"])

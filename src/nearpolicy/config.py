@@ -21,7 +21,7 @@ class RunConfig(Section):
     """Run folder name under `output_dir`."""
     output_dir: Path = Path("runs")
     seed: int = 0
-    steps: int = Field(40, ge=1)
+    steps: int = Field(30, ge=1)
     """Number of policy updates (one rollout batch each)."""
     threads: int = Field(2, ge=1)
     """CPU threads for torch and llama.cpp."""
@@ -52,7 +52,7 @@ class SamplingConfig(Section):
     temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(96, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
 
     @field_validator("temperature", mode="before")
     @classmethod
@@ -105,12 +105,12 @@ class AlgorithmConfig(Section):
     """Denominator of seq-mean-token-sum-norm (default: sampling.max_new_tokens)."""
     group_size: int = Field(8, ge=1)
     """G: samples per prompt."""
-    prompts_per_step: int = Field(8, ge=1)
+    prompts_per_step: int = Field(4, ge=1)
     minibatches: int = Field(1, ge=1)
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over a mini-batch."""
-    lr: float = Field(5e-6, gt=0)
+    lr: float = Field(2e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0)
