@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_policy("smollm2")
-    task = make_task("reasoning_gym", name="chain_sum", options=TaskConfig().options, path=None, train_size=200,
+    task = make_task("reasoning_gym", name="chain_sum", options=TaskConfig().resolved_options(), path=None, train_size=200,
                      eval_size=args.prompts, seed=0, eval_seed=1234, skip_bad_lines=False)
     prompts = [chat_prompt_ids(tokenizer, TaskConfig().system_prompt, p.question) for p in task.eval_problems()]
     requests = [GenerationRequest(i, tuple(p), args.group) for i, p in enumerate(prompts)]

@@ -75,3 +75,17 @@ def test_hf_engine_run_from_an_hf_folder(tiny_model_dir, tmp_path):
 def test_bad_config_exits_2_naming_the_key(tmp_path, override, needle):
     proc = _train(["--set", override], tmp_path)
     assert proc.returncode == 2 and needle in proc.stderr
+
+
+def test_resume_refuses_a_changed_config_and_skips_a_damaged_checkpoint(tiny_gguf_factory, tmp_path):
+    model = tiny_gguf_factory("f32")
+    assert _train(_base(model, tmp_path, "r"), tmp_path).returncode == 0
+    run = tmp_path / "r"
+    changed = _train(_base(model, tmp_path, "r", "algorithm.lr=1e-3") + ["--resume"], tmp_path)
+    assert changed.returncode == 2 and "algorithm.lr" in changed.stderr
+    newest = run / "checkpoints" / "step_000002" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a truncated file
+    resumed = _train(_base(model, tmp_path, "r", "run.steps=3") + ["--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_000002 is not loadable" in resumed.stderr and "resumed from" in resumed.stderr
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]  # step 2 re-run from the step-1 checkpoint

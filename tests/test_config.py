@@ -55,7 +55,9 @@ def test_main_job_config_is_the_embedded_defaults():
 
     main = load_config(Path(__file__).parent.parent / "configs" / "main.toml")
     defaults = load_config(None)
-    assert main.model_copy(update={"correction": defaults.correction}) == defaults
+    assert main.task.resolved_options() == defaults.task.resolved_options()
+    same = {"correction": defaults.correction, "task": main.task.model_copy(update={"options": None})}
+    assert main.model_copy(update=same) == defaults
     assert main.correction.spec() == defaults.correction.spec()
 
 
@@ -65,3 +67,25 @@ def test_correction_overrides_replace_preset_fields_and_bad_bounds_name_the_sect
     assert (spec.level, spec.action, spec.lower, spec.upper) == ("token", "mask", 0.5, 3.0)
     with pytest.raises(ConfigError, match="correction"):
         load_config(None, ["correction.preset=token_mis", "correction.lower=5.0"])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("run.name=..", "run.name"), ("run.seed=-1", "run.seed"), ("algorithm.lr=inf", "algorithm.lr"),
+    ("algorithm.lr=10.0", "algorithm.lr"), ("sampling.temperature=1e-40", "sampling.temperature"),
+    ("algorithm.adam_betas=[2.0, -1.0]", "adam_betas"), ("algorithm.kl_coef=nan", "algorithm.kl_coef"),
+    ("correction.center=log_mean", "decoupled"),
+])
+def test_hostile_values_found_by_the_adversarial_review_are_rejected(override, needle):
+    extra = ["correction.mode='bypass'"] if "center" in override else []
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(None, [override, *extra])
+
+
+def test_task_options_default_per_dataset():
+    assert load_config(None).task.resolved_options() == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    assert load_config(None, ["task.name=leg_counting"]).task.resolved_options() == {}
+    assert load_config(None, ["task.kind=jsonl", "task.path='x.jsonl'"]).task.resolved_options() == {}
+
+
+def test_upper_bound_may_be_infinite():
+    assert load_config(None, ["correction.preset=token_is", "correction.upper=inf"]).correction.upper == float("inf")

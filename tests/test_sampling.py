@@ -68,3 +68,16 @@ def test_sampled_token_outside_top_k_is_impossible():
 def test_bad_sampling_parameters_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_trainer_keeps_the_sampled_token_when_its_own_top_k_set_excludes_it():
+    """The engine sampled id 2 (inside its kept set); the trainer's logits put id 2 just outside its top-2.
+    The trainer renormalises over its kept set plus the sampled token: finite log-prob, finite gradient."""
+    from nearpolicy.ops.logprobs import token_logprobs_and_entropy
+
+    logits = torch.tensor([[[3.0, 2.9, 2.89, 0.0]]], requires_grad=True)
+    lp, _ = token_logprobs_and_entropy(logits, torch.tensor([[2]]), 1.0, top_k=2)
+    expected = 2.89 - math.log(math.exp(3.0) + math.exp(2.9) + math.exp(2.89))
+    assert lp.item() == pytest.approx(expected, abs=1e-6)
+    lp.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 3] == 0

@@ -275,3 +275,13 @@ def test_partial_credit_of_reasoning_gym_scorer_is_not_a_reward():
     assert task.score(f"Answer: {problem.answer}", problem) == 1.0
     assert task.score(f"Answer: -{problem.answer}" if not problem.answer.startswith("-") else f"Answer: 1{problem.answer}", problem) == 0.0
     assert task.score(f"Answer: 1{problem.answer.lstrip('-')}", problem) == 0.0
+
+
+def test_jsonl_with_one_usable_line_is_rejected_instead_of_an_empty_eval(tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    with pytest.raises(ValueError, match="at least 2"):
+        JsonlTask(path, eval_size=10, seed=0, eval_seed=1)
+    path.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4"}\n')
+    task = JsonlTask(path, eval_size=10, seed=0, eval_seed=1)
+    assert len(task.eval_problems()) == 1 and task.train_size == 1

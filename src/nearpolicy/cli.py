@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         trainer = Trainer(cfg, resume=args.resume, log=lambda msg: print(msg, file=sys.stderr))
-    except (RunExistsError, FileNotFoundError, ValueError) as err:
+    except (RunExistsError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from nearpolicy.engines.base import EngineError
@@ -28,7 +28,7 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         run_dir = trainer.fit()
-    except (KeyboardInterrupt, EngineError, ValueError) as err:
+    except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
         saved = list_checkpoints(trainer.run_dir)
         where = f"last checkpoint {saved[-1]} (continue with --resume)" if saved else "no checkpoint was written yet"
         reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
@@ -55,7 +55,7 @@ def _summary(args: argparse.Namespace) -> int:
 
     try:
         print(summarize(args.run_dir))
-    except FileNotFoundError as err:
+    except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

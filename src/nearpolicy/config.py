@@ -13,16 +13,23 @@ Precision = Literal["f32", "f16", "bf16", "q8_0", "q5_0", "q4_0", "q4_1", "mxfp4
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
     name: str = Field("grpo-smollm2-chain-sum", pattern=r"^[A-Za-z0-9._-]+$")
-    """Run folder name under `output_dir`."""
+    """Run folder name under `output_dir` (letters, digits, '.', '_', '-'; not only dots)."""
     output_dir: Path = Path("runs")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     steps: int = Field(30, ge=1)
     """Number of policy updates (one rollout batch each)."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_only_dots(cls, value: str) -> str:
+        if set(value) == {"."}:
+            raise ValueError("a run name made only of dots would leave output_dir")
+        return value
     threads: int = Field(2, ge=1)
     """CPU threads for torch and llama.cpp."""
 
@@ -49,7 +56,7 @@ class EngineConfig(Section):
 
 
 class SamplingConfig(Section):
-    temperature: float = Field(1.0, gt=0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=1e-3, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(64, ge=1)
@@ -62,12 +69,16 @@ class SamplingConfig(Section):
         return value
 
 
+DEFAULT_TASK_OPTIONS = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
+
+
 class TaskConfig(Section):
     kind: Literal["reasoning_gym", "jsonl"] = "reasoning_gym"
     name: str = "chain_sum"
     """reasoning-gym dataset name (kind = reasoning_gym)."""
-    options: dict[str, Any] = Field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
-    """Keyword options of the reasoning-gym dataset config."""
+    options: dict[str, Any] | None = None
+    """Keyword options of the reasoning-gym dataset config; None = the dataset's defaults (for chain_sum: 2 terms
+    of 1 digit, see `resolved_options`)."""
     path: Path | None = None
     """JSONL file of {"prompt", "answer"} lines (kind = jsonl)."""
     skip_bad_lines: bool = False
@@ -78,6 +89,11 @@ class TaskConfig(Section):
     system_prompt: str = (
         "Solve the problem. Think briefly, then give the final answer on the last line as: Answer: <number>"
     )
+
+    def resolved_options(self) -> dict[str, Any]:
+        if self.options is not None:
+            return dict(self.options)
+        return dict(DEFAULT_TASK_OPTIONS.get(self.name, {})) if self.kind == "reasoning_gym" else {}
 
     @model_validator(mode="after")
     def _jsonl_needs_path(self) -> "TaskConfig":
@@ -110,7 +126,7 @@ class AlgorithmConfig(Section):
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over a mini-batch."""
-    lr: float = Field(2e-5, gt=0)
+    lr: float = Field(2e-5, gt=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -120,6 +136,13 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     """Coefficient of the KL penalty to the reference policy (the initial model.path weights); 0 = none."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError(f"each Adam beta must be in [0, 1), got {value}")
+        return value
 
     @field_validator("advantage")
     @classmethod
@@ -149,7 +172,8 @@ class CorrectionConfig(Section):
     level: Literal["token", "sequence", "geometric", "prefix_min", "prefix_geometric"] | None = None
     action: Literal["off", "none", "truncate", "mask"] | None = None
     lower: float | None = Field(None, ge=0)
-    upper: float | None = Field(None, gt=0)
+    upper: float | None = Field(None, gt=0, allow_inf_nan=True)
+    """Upper bound (inf = none)."""
     mode: Literal["decoupled", "bypass"] | None = None
     """decoupled: weight pi_old / mu, PPO ratio vs pi_old (AReaL); bypass: PPO ratio vs the engine's log-probs."""
     veto: float | None = Field(None, gt=0, lt=1)
@@ -167,7 +191,10 @@ class CorrectionConfig(Section):
 
     @model_validator(mode="after")
     def _spec_builds(self) -> "CorrectionConfig":
-        self.spec()
+        spec = self.spec()
+        if self.center != "none" and spec.mode != "decoupled":
+            raise ValueError("correction.center (DLC) needs mode = 'decoupled': in bypass mode the engine's log-probs "
+                             "are also the PPO proximal, and shifting them would move the clip window")
         return self
 
     def spec(self):
@@ -237,9 +264,11 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"cannot read config file {path}: {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML: {err}") from None
     for item in overrides:

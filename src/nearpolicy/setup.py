@@ -91,7 +91,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     model, tokenizer = load_policy(cfg.model.path)
     model.float()
     t = cfg.task
-    task = make_task(t.kind, name=t.name, options=t.options, path=t.path, train_size=t.train_size,
+    task = make_task(t.kind, name=t.name, options=t.resolved_options(), path=t.path, train_size=t.train_size,
                      eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines)
     a = cfg.algorithm
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
@@ -113,7 +113,10 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
         ref_model = load_policy(cfg.model.path)[0].float().eval().requires_grad_(False)
     teacher = None
     if cfg.distill.teacher is not None:
-        teacher, teacher_tokenizer = load_policy(cfg.distill.teacher)
+        try:
+            teacher, teacher_tokenizer = load_policy(cfg.distill.teacher)
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(f"distill.teacher: {err}") from None
         if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ValueError(f"distill.teacher {cfg.distill.teacher!r} has a different tokenizer from the policy")
         teacher = teacher.float().eval().requires_grad_(False)

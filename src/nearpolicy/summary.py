@@ -17,7 +17,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a kill
+    return rows
 
 
 def _stats(rows: list[dict], key: str) -> tuple[float, float, float, float] | None:
@@ -30,7 +36,7 @@ def _stats(rows: list[dict], key: str) -> tuple[float, float, float, float] | No
 def summarize(run_dir: Path) -> str:
     rows = read_metrics(run_dir)
     steps = [r for r in rows if "reward/mean" in r]
-    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     out = [f"### Run `{Path(run_dir).name}`: {len(steps)} training steps", "",
            "| step | eval accuracy (greedy, held-out) |", "|---|---|"]
     out += [f"| {s} | {a:.3f} |" for s, a in evals]

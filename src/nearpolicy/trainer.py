@@ -4,6 +4,7 @@ so every difference between rollout_logprobs and old_logprobs is numerical misma
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,8 +63,9 @@ class Trainer:
                                        cfg.sampling.max_new_tokens)
         self.settings = _update_settings(cfg)
         self.state = TrainState()
-        if resume and list_checkpoints(self.run_dir):
-            self._resume(list_checkpoints(self.run_dir)[-1])
+        if resume:
+            _check_same_config(self.run_dir / "config.json", cfg)
+            self._resume()
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
         write_json(self.run_dir / "plan.json", self.s.plan | {"resumed_at_step": self.state.step})
         self.metrics = MetricsSink(self.run_dir, cfg.logging.tensorboard)
@@ -86,11 +88,11 @@ class Trainer:
 
     def distill_advantages(self, batch, task_advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Token advantages [B, T]: on-policy distillation from the engine's log-probs of its own samples and the
-        teacher's (plain log-softmax), plus distill.reward_weight x the task advantage."""
+        teacher's, both under the same sampling transform (so the reverse KL compares like with like when T != 1
+        or top-k / top-p are on), plus distill.reward_weight x the task advantage."""
         d = self.cfg.distill
-        plain = SamplingParams(1.0, 1.0, 0, self.cfg.sampling.max_new_tokens)
         with torch.no_grad():
-            teacher = torch.cat([sequence_logprobs(self.s.teacher, batch.select(slice(i, i + 8)), plain)[0]
+            teacher = torch.cat([sequence_logprobs(self.s.teacher, batch.select(slice(i, i + 8)), self.sampling)[0]
                                  for i in range(0, len(batch), 8)])
         defined = batch.mask & batch.has_rollout
         token_adv, metrics = opd_advantages(batch.rollout_logprobs, teacher, defined, d.coef, d.discount)
@@ -196,22 +198,56 @@ class Trainer:
                  "engine_precision": self.cfg.engine.precision}
         return save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state, self.cfg.logging.keep_checkpoints)
 
-    def _resume(self, path: Path) -> None:
-        saved = load_checkpoint(path, self.s.model, self.s.optimizer)
-        self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
-                                scorer_errors=saved.get("scorer_errors", 0))
-        _truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
-        self.s.sync_engine(self.state.version)
-        self.log(f"resumed from {path} at step {self.state.step}")
+    def _resume(self) -> None:
+        """Continue from the newest loadable checkpoint (a damaged one is reported and skipped); with none,
+        start over, keeping the earlier metrics as metrics.before-resume.jsonl."""
+        for path in reversed(list_checkpoints(self.run_dir)):
+            try:
+                saved = load_checkpoint(path, self.s.model, self.s.optimizer)
+            except Exception as err:  # noqa: BLE001 - any damage (safetensors header, json, shapes) skips it
+                self.log(f"warning: checkpoint {path} is not loadable ({type(err).__name__}: {err}); trying an older one")
+                continue
+            self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
+                                    scorer_errors=saved.get("scorer_errors", 0))
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
+            self.s.sync_engine(self.state.version)
+            self.log(f"resumed from {path} at step {self.state.step}")
+            return
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            metrics.replace(self.run_dir / "metrics.before-resume.jsonl")
+        self.log(f"no loadable checkpoint in {self.run_dir}: starting from step 0")
+
+
+RESUMABLE_KEYS = {"run.steps", "logging"}  # may change on --resume; everything else must match
+
+
+def _check_same_config(saved_path: Path, cfg: Config) -> None:
+    """Refuse a --resume whose config differs from the run's (except run.steps and logging.*)."""
+    if not saved_path.exists():
+        return
+    saved = json.loads(saved_path.read_text())
+    now = cfg.model_dump(mode="json")
+    changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
+               if saved.get(section, {}).get(key) != value
+               and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
+    if changed:
+        raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
+                             "(only run.steps and logging.* may change; use a new run.name)")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint (they will be produced again)."""
+    """Drop metric lines written after the checkpoint (they will be produced again) and unreadable lines (a
+    write cut short by a kill)."""
     if not path.exists():
         return
-    import json
-
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

@@ -6,6 +6,10 @@ Transform of raw logits z [..., V] with temperature T, top-k k and top-p p:
     keep_k = s >= k-th largest s                     (all kept when k == 0 or k >= V)
     keep_p = exclusive cumulative prob (sorted desc, over the top-k renormalised distribution) < p
     log pi(y) = log_softmax(s masked to the kept set)[y]       (-inf outside the kept set)
+
+The trainer scores tokens an engine already sampled: `token_logprobs_and_entropy` always counts the sampled
+token as kept, since the engine's and the trainer's numerics can disagree at the top-k / top-p boundary and a
+log-prob of -inf would turn the PPO ratio into NaN (-inf - -inf).
 """
 
 from __future__ import annotations
@@ -34,13 +38,17 @@ def kept_set(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     return keep
 
 
-def transformed_log_softmax(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def transformed_log_softmax(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                            always_keep: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax of the transformed logits. logits [..., V] float -> [..., V] (same dtype), nats.
+    `always_keep` [...] int64: a token id per row that stays in the kept set (the sampled one).
 
     Gradient flows through the values; the kept set is chosen without grad."""
     scaled = logits / temperature
     keep = kept_set(scaled, top_k, top_p)
     if keep is not None:
+        if always_keep is not None:
+            keep = keep.scatter(-1, always_keep.unsqueeze(-1), True)
         scaled = scaled.masked_fill(~keep, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
 
@@ -52,7 +60,7 @@ def token_logprobs_and_entropy(
 
     logits [B, T, V] float32, token_ids [B, T] int64 -> (logprobs [B, T] with grad, entropy [B, T] detached, nats).
     """
-    logp = transformed_log_softmax(logits, temperature, top_k, top_p)
+    logp = transformed_log_softmax(logits, temperature, top_k, top_p, always_keep=token_ids)
     picked = torch.gather(logp, -1, token_ids.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         probs = logp.exp()

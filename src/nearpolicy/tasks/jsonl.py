@@ -108,7 +108,9 @@ class JsonlTask:
         self.name = f"jsonl:{self.path.name}"
         self.skipped_lines: list[int] = []
         problems = self._load(skip_bad_lines)
-        self.eval_size = min(eval_size, len(problems) // 2)
+        if eval_size >= 1 and len(problems) < 2:
+            raise ValueError(f"{path}: {len(problems)} usable line(s); a held-out eval split needs at least 2")
+        self.eval_size = min(eval_size, max(1, len(problems) // 2)) if eval_size else 0
         order = list(range(len(problems)))
         random.Random(eval_seed).shuffle(order)
         held_out = set(order[: self.eval_size])
