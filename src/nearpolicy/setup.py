@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,15 +38,13 @@ class Session:
         """Chat-templated prompt ids (template applied once, generation prompt appended)."""
         return chat_prompt_ids(self.tokenizer, self.cfg.task.system_prompt, problem.question)
 
-    def sync_engine(self, version: int) -> float:
-        """Push the trainer's weights to the engine; returns seconds spent."""
-        t0 = time.perf_counter()
+    def sync_engine(self, version: int) -> None:
+        """Push the trainer's weights to the engine and set its policy version."""
         if self.cfg.engine.kind == "llamacpp":
             path = export_engine_gguf(self.model, self.engine_dir, self.cfg.engine.precision, self.template_gguf, self.tokenizer)
             self.engine.update_weights(path, version)
         else:
             self.engine.update_weights(self.model.state_dict(), version)
-        return time.perf_counter() - t0
 
 
 def chat_prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:

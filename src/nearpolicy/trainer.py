@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,6 @@ from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.policy import sequence_logprobs
 from nearpolicy.ops.diagnostics import mismatch_metrics
 from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save_checkpoint, write_json
 from nearpolicy.setup import Session, build_session
@@ -38,7 +37,6 @@ class TrainState:
     data_position: int = 0
     version: int = 0
     scorer_errors: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def _update_settings(cfg: Config) -> UpdateSettings:
@@ -78,22 +76,21 @@ class Trainer:
         seed = int(np.random.SeedSequence([self.cfg.run.seed, self.state.step]).generate_state(1)[0])
         return self.s.engine.generate(requests, self.sampling, seed)
 
+    def _reward(self, completion_ids: list[int], problem: Problem) -> tuple[float, str | None]:
+        """Score the response text only (0 with an error message when the scorer raises)."""
+        return safe_score(self.s.task, self.s.tokenizer.decode(completion_ids, skip_special_tokens=True), problem)
+
     def score(self, rollouts: list[Rollout], problems: dict[int, Problem]) -> None:
         for r in rollouts:
-            text = self.s.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
-            r.reward, error = safe_score(self.s.task, text, problems[r.group_id])
-            if error is not None:
-                self.state.scorer_errors += 1
-                r.reward = 0.0
+            r.reward, error = self._reward(r.completion_ids, problems[r.group_id])
+            self.state.scorer_errors += error is not None
 
     def distill_advantages(self, batch, task_advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Token advantages [B, T]: on-policy distillation from the engine's log-probs of its own samples and the
         teacher's, both under the same sampling transform (so the reverse KL compares like with like when T != 1
         or top-k / top-p are on), plus distill.reward_weight x the task advantage."""
         d = self.cfg.distill
-        with torch.no_grad():
-            teacher = torch.cat([sequence_logprobs(self.s.teacher, batch.select(slice(i, i + 8)), self.sampling)[0]
-                                 for i in range(0, len(batch), 8)])
+        teacher = recompute_logprobs(self.s.teacher, batch, self.sampling, self.cfg.algorithm.micro_batch_size)[0]
         defined = batch.mask & batch.has_rollout
         token_adv, metrics = opd_advantages(batch.rollout_logprobs, teacher, defined, d.coef, d.discount)
         total = token_adv + d.reward_weight * task_advantages[:, None]
@@ -107,8 +104,7 @@ class Trainer:
         problems = self.s.task.eval_problems()
         prompts = [self.s.prompt_ids(p) for p in problems]
         completions = self.s.engine.greedy(prompts, self.cfg.sampling.max_new_tokens)
-        scores = [safe_score(self.s.task, self.s.tokenizer.decode(c, skip_special_tokens=True), p)[0]
-                  for c, p in zip(completions, problems)]
+        scores = [self._reward(c, p)[0] for c, p in zip(completions, problems)]
         return {"eval/accuracy": float(np.mean(scores)), "eval/response_length": float(np.mean([len(c) for c in completions]))}
 
     def train_step(self) -> dict[str, float]:

@@ -50,13 +50,6 @@ def probability_correlation(a_logprobs: torch.Tensor, b_logprobs: torch.Tensor, 
     if denom <= 0:
         return torch.ones((), dtype=torch.float64) if torch.equal(a, b) else torch.zeros((), dtype=torch.float64)
     return (da * db).sum() / denom
-
-
-def sequence_stats(values: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean and max of a per-token quantity [B, T] over valid tokens."""
-    return {"mean": masked_mean(values, mask), "max": masked_max(values, mask)}
-
-
 def sequence_mismatch_metrics(
     pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor
 ) -> dict[str, torch.Tensor]:
