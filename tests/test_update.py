@@ -43,7 +43,8 @@ def _grads_after_update(model, batch, micro, fused):
     optimizer.step = lambda: captured.update({n: p.grad.clone() for n, p in model.named_parameters()})
     old = None if fused else recompute_logprobs(model, batch, SAMPLING, micro)[0]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    metrics, old_out, _ = policy_update(model, optimizer, batch, old, adv, SAMPLING, _settings(1, micro))
+    result = policy_update(model, optimizer, batch, old, adv, SAMPLING, _settings(1, micro))
+    metrics, old_out = result.metrics, result.old_logprobs
     return captured, metrics, old_out
 
 
@@ -70,3 +71,22 @@ def test_fused_old_logprobs_need_a_single_minibatch(model_and_batch):
     with pytest.raises(ValueError, match="single mini-batch"):
         policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, None, torch.zeros(6), SAMPLING,
                       _settings(2, 3))
+
+
+def test_policy_lag_is_zero_on_the_first_minibatch_and_measured_on_the_second(model_and_batch):
+    """logprobs - old_logprobs: exactly 0 on rows trained before any optimizer step, non-zero after one."""
+    from nearpolicy.ops.diagnostics import mismatch_decomposition
+
+    model, batch = model_and_batch
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    old = recompute_logprobs(model, batch, SAMPLING, 3)[0]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    result = policy_update(model, optimizer, batch, old, adv, SAMPLING, _settings(2, 3))
+    lag = (result.logprobs - result.old_logprobs)[batch.mask]
+    rows = batch.mask.nonzero()[:, 0]
+    assert torch.equal(lag[rows < 3], torch.zeros_like(lag[rows < 3]))
+    assert lag[rows >= 3].abs().max() > 1e-3
+    parts = mismatch_decomposition(result.logprobs, result.old_logprobs, result.old_logprobs, batch.mask)
+    assert parts["discrepancy_k3"] == 0.0 and parts["discrepancy_ess"] == 1.0
+    assert parts["lag_k3"] > 0 and parts["lag_k3"] == parts["total_k3"]

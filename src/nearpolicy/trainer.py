@@ -18,7 +18,7 @@ from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.ops.diagnostics import mismatch_metrics
+from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
 from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save_checkpoint, write_json
 from nearpolicy.setup import Session, build_session
 from nearpolicy.tasks import Problem
@@ -130,13 +130,14 @@ class Trainer:
             old_logprobs, entropy = recompute_logprobs(self.s.model, batch, self.sampling, cfg.algorithm.micro_batch_size)
             t["time/recompute"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        actor, old_logprobs, fused_entropy = policy_update(
-            self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling, self.settings,
-            sample_keep=adv.keep, ref_model=self.s.ref_model)
-        entropy = entropy if fused_entropy is None else fused_entropy
+        update = policy_update(self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling,
+                               self.settings, sample_keep=adv.keep, ref_model=self.s.ref_model)
+        old_logprobs = update.old_logprobs
+        entropy = entropy if update.entropy is None else update.entropy
         t["time/update"] = time.perf_counter() - t0
         _, defined = mismatch_log_ratio(old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
         mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, defined)
+        mismatch |= mismatch_decomposition(update.logprobs, old_logprobs, batch.rollout_logprobs, defined)
         self.state.data_position += len(problems)
         t0 = time.perf_counter()
         self.sync()
@@ -150,7 +151,7 @@ class Trainer:
             "response/frac_truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
             "entropy": float(entropy[batch.mask].mean()),
             **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
-            **actor, **t, **distill_metrics,
+            **update.metrics, **t, **distill_metrics,
             "throughput/rollout_tokens_per_s": n_tokens / max(t["time/rollout"], 1e-9),
             "throughput/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t["time/update"], 1e-9),
             "policy/version": float(self.state.version),

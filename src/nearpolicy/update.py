@@ -38,6 +38,18 @@ class UpdateSettings:
         return self.center != "none" or self.adaptive_mix != "none"
 
 
+@dataclass
+class UpdateResult:
+    """What `policy_update` returns. metrics: step metrics as floats; old_logprobs [B, T] float32: the trainer at
+    the sampling weights; logprobs [B, T] float32, detached: the trainer when each row's mini-batch was trained
+    (equal to old_logprobs on the first mini-batch, invariant 8); entropy [B, T] or None when not fused."""
+
+    metrics: dict[str, float]
+    old_logprobs: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
 @torch.no_grad()
 def recompute_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParams, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     """old_logprobs [B, T] and entropy [B, T] at the current (sampling) weights, in micro-batches."""
@@ -65,20 +77,21 @@ def batch_correction(batch: TokenBatch, old_logprobs: torch.Tensor, settings: Up
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: TokenBatch,
                   old_logprobs: torch.Tensor | None, advantages: torch.Tensor, sampling: SamplingParams,
                   settings: UpdateSettings, sample_keep: torch.Tensor | None = None,
-                  ref_model: torch.nn.Module | None = None) -> tuple[dict[str, float], torch.Tensor, torch.Tensor | None]:
+                  ref_model: torch.nn.Module | None = None) -> UpdateResult:
     """Run `minibatches` optimizer steps over the batch. advantages [B]; sample_keep [B] bool (False = left out
     of the gradient, e.g. MC-GRPO's pivot); ref_model gives ref_logprobs for the KL penalty.
 
     `old_logprobs=None` fuses the recompute into the update (only with one mini-batch and no batch statistics:
     the weights have not moved before each micro-batch's forward, so old_logprobs = logprobs.detach() exactly,
-    invariant 8). Returns (step metrics as floats, old_logprobs [B, T], entropy [B, T] or None when not fused).
-    A mini-batch whose gradient is not finite is skipped (optimizer not stepped) and counted."""
+    invariant 8). Returns an UpdateResult; its logprobs - old_logprobs is the policy lag accumulated by earlier
+    mini-batches of this update. A mini-batch whose gradient is not finite is skipped (optimizer not stepped) and counted."""
     n = len(batch)
     size = n // settings.minibatches
     fused = old_logprobs is None
     if fused and (settings.minibatches != 1 or settings.needs_batch_statistics):
         raise ValueError("old_logprobs can only be fused into the update with a single mini-batch and no batch statistics")
     entropy = None
+    current = torch.zeros(batch.mask.shape)
     if fused:
         old_logprobs, entropy = torch.zeros(batch.mask.shape), torch.zeros(batch.mask.shape)
         rollout, spec, totals = batch.rollout_logprobs, settings.correction, {}
@@ -97,6 +110,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             part = slice(m0, min(m0 + settings.micro_batch_size, start + size))
             micro = batch.select(part)
             logprobs, micro_entropy = sequence_logprobs(model, micro, sampling)
+            current[part] = logprobs.detach()
             if fused:
                 old_logprobs[part], entropy[part] = logprobs.detach(), micro_entropy
             result, proximal = mismatch_correction(spec, logprobs, old_logprobs[part], rollout[part],
@@ -126,4 +140,4 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             totals[key] = totals.get(key, 0.0) + float(value) / settings.minibatches
     totals["skipped_minibatches"] = float(skipped)
     metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in totals.items()}
-    return metrics, old_logprobs, entropy
+    return UpdateResult(metrics, old_logprobs, current, entropy)

@@ -89,3 +89,19 @@ def fraction(indicator: torch.Tensor, mask: torch.Tensor, denominator: torch.Ten
     """Fraction of valid positions where a bool indicator [B, T] holds (clip / mask / rejection fractions);
     `denominator` overrides the count (a global token count, so micro-batch results add up)."""
     return masked_mean(indicator.double(), mask, denominator=denominator)
+
+
+def mismatch_decomposition(logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                           defined: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Split log(pi_theta / mu) = log(pi_old / mu) + log(pi_theta / pi_old) into the numerical discrepancy
+    (old_logprobs - rollout_logprobs: trainer vs engine at the same weights) and the policy lag (logprobs -
+    old_logprobs: weights moved since sampling), with k3 KL and normalised ESS of each and of the total.
+    All inputs [B, T] float (logprobs detached, the trainer when the token's mini-batch was trained);
+    `defined` [B, T] bool. Returns float64 scalars: {discrepancy,lag,total}_{k3,ess}. docs/math.md sec. 17."""
+    parts = {"discrepancy": (old_logprobs, rollout_logprobs), "lag": (logprobs, old_logprobs),
+             "total": (logprobs, rollout_logprobs)}
+    out = {}
+    for name, (pi, mu) in parts.items():
+        m = mismatch_metrics(pi, mu, defined)
+        out[f"{name}_k3"], out[f"{name}_ess"] = m["k3"], m["ess"]
+    return out
