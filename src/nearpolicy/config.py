@@ -53,6 +53,19 @@ class EngineConfig(Section):
     """llamacpp: KV-cache dtype."""
     flash_attention: bool = False
     """llamacpp: use the flash-attention kernel (rounds queries to f16: adds mismatch)."""
+    tensor_precision: dict[str, Precision] = {}
+    """llamacpp: per-tensor overrides of `precision`, selector -> precision, later entries win; selectors:
+    embeddings, output, attention, mlp, blk.N, blk.N-M or a GGUF-name glob (e.g. {"blk.0-2" = "f16"}, the kind
+    of mixed recipe `nearpolicy diagnose --admit` proposes)."""
+
+    @field_validator("tensor_precision")
+    @classmethod
+    def _selectors_known(cls, value: dict[str, str]) -> dict[str, str]:
+        from nearpolicy.engines.precision_map import selector_globs
+
+        for selector in value:
+            selector_globs(selector)
+        return value
 
 
 class SamplingConfig(Section):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from nearpolicy.config import Config
+from nearpolicy.config import Config, EngineConfig
 from nearpolicy.tasks import Problem, Task, make_task
 
 
@@ -41,7 +41,7 @@ class Session:
     def sync_engine(self, version: int) -> None:
         """Push the trainer's weights to the engine and set its policy version."""
         if self.cfg.engine.kind == "llamacpp":
-            path = export_engine_gguf(self.model, self.engine_dir, self.cfg.engine.precision, self.template_gguf, self.tokenizer)
+            path = export_engine_gguf(self.model, self.engine_dir, self.cfg.engine, self.template_gguf, self.tokenizer)
             self.engine.update_weights(path, version)
         else:
             self.engine.update_weights(self.model.state_dict(), version)
@@ -57,13 +57,15 @@ def chat_prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:
     return list(ids)
 
 
-def export_engine_gguf(model: torch.nn.Module, folder: Path, precision: str, template: Path | None, tokenizer) -> Path:
+def export_engine_gguf(model: torch.nn.Module, folder: Path, engine: EngineConfig, template: Path | None, tokenizer) -> Path:
+    """Write the trainer's weights as the engine's GGUF (engine.precision with engine.tensor_precision)."""
     from nearpolicy.engines.gguf_export import export_gguf
 
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"policy-{precision}.gguf"
+    path = folder / f"policy-{engine.precision}.gguf"
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    export_gguf(state, model.config, path, precision, template, tokenizer=tokenizer)
+    export_gguf(state, model.config, path, engine.precision, template, tokenizer=tokenizer,
+                tensor_precision=tuple(engine.tensor_precision.items()))
     return path
 
 
@@ -98,7 +100,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     plan = {
         "model_file": str(resolved.path), "model_kind": resolved.kind,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "engine": f"{cfg.engine.kind}:{cfg.engine.precision if cfg.engine.kind == 'llamacpp' else cfg.engine.hf_dtype}",
+        "engine": f"{cfg.engine.kind}:{_engine_precision(cfg.engine)}",
         "samples_per_step": a.group_size * a.prompts_per_step,
         "samples_per_minibatch": a.group_size * a.prompts_per_step // a.minibatches,
         "total_samples": a.group_size * a.prompts_per_step * cfg.run.steps,
@@ -123,12 +125,18 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     return Session(cfg, model, tokenizer, task, engine, optimizer, template, engine_dir, plan, ref_model, teacher)
 
 
+def _engine_precision(e: EngineConfig) -> str:
+    from nearpolicy.engines.precision_map import describe
+
+    return describe(e.precision, tuple(e.tensor_precision.items())) if e.kind == "llamacpp" else e.hf_dtype
+
+
 def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path):
     e = cfg.engine
     if e.kind == "llamacpp":
         from nearpolicy.engines.llamacpp import LlamaCppEngine
 
-        path = export_engine_gguf(model, engine_dir, e.precision, template, tokenizer)
+        path = export_engine_gguf(model, engine_dir, e, template, tokenizer)
         return LlamaCppEngine(path, max_context=cfg.model.max_context, max_parallel_sequences=e.max_parallel_sequences,
                               threads=cfg.run.threads, kv_cache=e.kv_cache, flash_attention=e.flash_attention)
     from nearpolicy.engines.hf import HFEngine

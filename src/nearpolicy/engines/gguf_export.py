@@ -18,11 +18,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import numpy as np
 import torch
+
+from nearpolicy.engines.precision_map import PrecisionMap, precision_for, selector_globs
 
 _Q = gguf.GGMLQuantizationType
 _F = gguf.LlamaFileType
@@ -38,6 +40,7 @@ QTYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
 }
 PRECISIONS: tuple[str, ...] = tuple(QTYPES)
 
+_EMBEDDING = ("token_embd.weight", "output.weight")
 _ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
 # Template fields not copied: virtual reader fields, ones GGUFWriter writes, and ones derived from the config.
 _SKIP_PREFIXES = ("GGUF.", "llama.")
@@ -68,6 +71,7 @@ def export_gguf(
     template_gguf: Path | None,
     tokenizer: Any = None,
     embedding_precision: str | None = None,
+    tensor_precision: PrecisionMap = (),
 ) -> ExportReport:
     """Write `state_dict` (HF llama names, any float dtype, [out, in] weights) as a GGUF at `precision`.
 
@@ -76,14 +80,14 @@ def export_gguf(
     provides the tokenizer metadata. Re-exporting a GGUF's own dequantized weights at its own types reproduces it
     byte for byte. `embedding_precision`
     (default: `precision`) applies to token_embd / output, e.g. "q8_0" with "q4_1" as llama.cpp's quantizer does.
+    `tensor_precision` (selector, precision) pairs override both per tensor (engines/precision_map.py).
     Raises ValueError (unknown precision, unknown tensor name, non-llama template), NotImplementedError
     (rope scaling, a tokenizer this exporter cannot describe); on any error `out_path` is left untouched.
     """
-    for p in (precision, embedding_precision or precision):
+    for p in (precision, embedding_precision or precision, *(p for _, p in tensor_precision)):
         if p not in QTYPES:
             raise ValueError(f"unknown GGUF precision {p!r}; valid: {', '.join(PRECISIONS)}")
-    qtype, ftype = QTYPES[precision]
-    emb_qtype = QTYPES[embedding_precision or precision][0]
+    ftype = QTYPES[precision][1]
     out_path = Path(out_path)
     start = time.perf_counter()
     report = ExportReport(path=out_path, precision=precision)
@@ -107,7 +111,14 @@ def export_gguf(
         raise ValueError("export_gguf needs template_gguf or an HF tokenizer for the tokenizer metadata")
     for key, v in arch_kv.items():
         writer.add_key_value(key, v.value, v.type)
-    for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype, emb_qtype, tensor_order, report):
+    for selector, _ in tensor_precision:
+        selector_globs(selector)  # an unknown selector fails before anything is written
+
+    def qtype_of(name: str) -> gguf.GGMLQuantizationType:
+        default = (embedding_precision or precision) if name in _EMBEDDING else precision
+        return QTYPES[precision_for(name, default, tensor_precision)][0]
+
+    for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype_of, tensor_order, report):
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
 
     fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
@@ -161,8 +172,7 @@ def _canonical_order(name: str) -> tuple[int, str]:
 def _convert_tensors(
     state_dict: dict[str, torch.Tensor],
     config: Any,
-    qtype: gguf.GGMLQuantizationType,
-    emb_qtype: gguf.GGMLQuantizationType,
+    qtype_of: Callable[[str], gguf.GGMLQuantizationType],
     template_order: tuple[str, ...],
     report: ExportReport,
 ) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
@@ -187,7 +197,7 @@ def _convert_tensors(
         elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             w = _permute(w, n_kv)
         w = np.ascontiguousarray(w, dtype=np.float32)
-        t = (emb_qtype if name in ("token_embd.weight", "output.weight") else qtype) if w.ndim >= 2 else _Q.F32
+        t = qtype_of(name) if w.ndim >= 2 else _Q.F32
         if w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
             t = _Q.F16
             report.fallback_f16.append(name)

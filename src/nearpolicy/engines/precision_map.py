@@ -1,0 +1,72 @@
+"""Per-tensor precision maps for GGUF export: which GGUF tensors get which weight type.
+
+A map is an ordered sequence of (selector, precision) pairs on top of a default precision; for each tensor the
+last matching pair wins. Selectors: "embeddings" (token_embd), "output" (the LM head when it is not tied),
+"attention" (every block's attn_* tensors), "mlp" (every block's ffn_* tensors), "blk.N" (block N), "blk.N-M"
+(blocks N..M inclusive), or a glob on GGUF tensor names ("blk.3.ffn_*"). 1-D tensors (norms) stay F32 whatever
+the map says, as llama.cpp's own quantizer keeps them."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+KIND_SELECTORS = {
+    "embeddings": ("token_embd.*",),
+    "output": ("output.*",),
+    "attention": ("blk.*.attn_*",),
+    "mlp": ("blk.*.ffn_*",),
+}
+_BLOCKS = re.compile(r"^blk\.(\d+)(?:-(\d+))?$")
+
+PrecisionMap = Sequence[tuple[str, str]]
+
+
+def selector_globs(selector: str) -> tuple[str, ...]:
+    """GGUF-name globs a selector stands for. Raises ValueError for an unknown selector word or a bad range."""
+    if selector in KIND_SELECTORS:
+        return KIND_SELECTORS[selector]
+    m = _BLOCKS.match(selector)
+    if m:
+        first, last = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
+        if last < first:
+            raise ValueError(f"block range {selector!r} ends before it starts")
+        return tuple(f"blk.{i}.*" for i in range(first, last + 1))
+    if "*" in selector or "?" in selector or selector.endswith(".weight"):
+        return (selector,)
+    raise ValueError(f"unknown tensor selector {selector!r}: use {', '.join(KIND_SELECTORS)}, blk.N, blk.N-M or a "
+                     "glob on GGUF tensor names such as 'blk.3.ffn_*'")
+
+
+def precision_for(tensor_name: str, default: str, overrides: PrecisionMap) -> str:
+    """The precision of one GGUF tensor: the last (selector, precision) pair that matches it, else `default`."""
+    chosen = default
+    for selector, precision in overrides:
+        if any(fnmatch.fnmatchcase(tensor_name, g) for g in selector_globs(selector)):
+            chosen = precision
+    return chosen
+
+
+def describe(default: str, overrides: PrecisionMap) -> str:
+    """Short text of a map: "q4_1" or "q4_1 (blk.3=f16, embeddings=q8_0)"."""
+    if not overrides:
+        return default
+    return f"{default} ({', '.join(f'{s}={p}' for s, p in overrides)})"
+
+
+def round_to_precision(weight: np.ndarray, precision: str) -> np.ndarray:
+    """Quantize a float32 [out, in] weight to `precision` and dequantize it back (float32, same shape): the
+    weight-rounding error of that type without its kernels. Rows whose length is not a multiple of the type's
+    block size are returned unchanged (the exporter stores those at F16)."""
+    import gguf
+
+    from nearpolicy.engines.gguf_export import QTYPES
+
+    qtype = QTYPES[precision][0]
+    if weight.ndim < 2 or weight.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
+        return weight
+    packed = gguf.quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype)
+    return gguf.quants.dequantize(packed, qtype).reshape(weight.shape).astype(np.float32)
