@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_report)
     compare = sub.add_parser("compare", help="self-contained HTML report overlaying several run folders")
     compare.add_argument("run_dirs", type=Path, nargs="+", metavar="run_dir")
-    compare.add_argument("-o", "--output", type=Path, default=Path("compare.html"), help="HTML file to write (default compare.html)")
+    compare.add_argument("-o", "--output", type=Path, default=Path("compare.html"),
+                         help="HTML file to write (default compare.html)")
     compare.set_defaults(func=_compare)
     return parser
 

@@ -230,7 +230,7 @@ def _missing_notes(panel: Panel, runs: Sequence[Run]) -> list[str]:
 # -- header table and page -------------------------------------------------------------------------------------------
 def run_summary(run: Run) -> dict[str, str]:
     """The header row of a run: name, model, engine, steps, final and peak eval accuracy, median k3, total time."""
-    model = run.config.get("model", {}).get("path") or Path(run.plan.get("model_file", "")).name or "unknown (no config.json)"
+    model = run.config.get("model", {}).get("path") or Path(run.plan.get("model_file", "")).name
     engine = run.plan.get("engine") or "unknown (no plan.json)"
     steps = max(row["step"] for row in run.rows)
     planned = run.config.get("run", {}).get("steps")
@@ -240,7 +240,7 @@ def run_summary(run: Run) -> dict[str, str]:
     seconds = sum(run.series("time/step")[1])
     peak = max(evals, key=lambda point: point[1]) if evals else None
     return {
-        "run": run.name, "model": str(model), "engine": str(engine),
+        "run": run.name, "model": str(model or "unknown (no config.json)"), "engine": str(engine),
         "steps": f"{steps} of {planned}" if planned else str(steps),
         "final eval accuracy": f"{evals[-1][1]:.3f} (step {evals[-1][0]})" if evals else NOT_RECORDED,
         "peak eval accuracy": f"{peak[1]:.3f} (step {peak[0]})" if peak else NOT_RECORDED,
