@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from nearpolicy.cli import main
-from nearpolicy.report import PANELS, Panel, Run, load_run, run_summary
+from nearpolicy.report import PANELS, Panel, Run, load_run, render_panel, run_summary
 
 MAIN_JOB_METRICS = Path(__file__).parents[1] / "docs" / "runs" / "grpo-smollm2-chain-sum.metrics.jsonl"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -102,6 +102,14 @@ def test_fraction_panel_matches_clip_and_mask_fractions_only():
                      "seq/clip_frac": 0.0, "actor/loss": 1.0, "mismatch/frac_ratio_outside_0.5_2": 0.0}])
     assert [key for _, key in fractions.lines(run)] == ["actor/pg_clipfrac", "correction/frac_low",
                                                          "correction/mask_frac", "seq/clip_frac"]
+
+
+@pytest.mark.parametrize("title, key, value", [("Mismatch k3 by component (log scale)", "mismatch/k3", 0.0),
+                                               ("Entropy", "entropy", None)])
+def test_panel_without_drawable_values_is_still_an_image(title: str, key: str, value):
+    panel = next(panel for panel in PANELS if panel.title == title)
+    png = render_panel(panel, [Run("r", [{"step": s, key: value} for s in (1, 2)])])
+    assert Image.open(io.BytesIO(png)).size == (800, 340)
 
 
 def test_lag_components_and_staleness_are_drawn_when_recorded(tmp_path: Path):

@@ -148,10 +148,9 @@ def _is_fraction(key: str) -> bool:
 
 
 DISCREPANCY_K3 = Series("numerical discrepancy", ("mismatch/discrepancy_k3", "mismatch/k3"))
-EVAL_ACCURACY = Series("eval accuracy", ("eval/accuracy",))
 PANELS = (
     Panel("Reward", "reward (mean ± std over samples)", (Series("reward", ("reward/mean",), band="reward/std"),)),
-    Panel("Eval accuracy", "accuracy (greedy, held-out)", (EVAL_ACCURACY,)),
+    Panel("Eval accuracy", "accuracy (greedy, held-out)", (Series("eval accuracy", ("eval/accuracy",)),)),
     Panel("Mismatch k3 by component (log scale)", "k3 estimate of KL (nats / token)",
           (DISCREPANCY_K3, Series("policy lag", ("mismatch/lag_k3",)), Series("total", ("mismatch/total_k3",))),
           log_y=True),
@@ -208,7 +207,8 @@ def render_panel(panel: Panel, runs: Sequence[Run]) -> bytes | None:
         ax.set_yscale("log" if panel.log_y else "linear")
         ax.legend(fontsize=8)
     else:
-        ax.text(0.5, 0.5, "no positive values to draw on a log scale", ha="center", transform=ax.transAxes)
+        empty = "no positive values to draw on a log scale" if panel.log_y else "no finite values to draw"
+        ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
     ax.set(xlabel="step", ylabel=panel.ylabel)
     ax.grid(alpha=0.3)
     buffer = io.BytesIO()
