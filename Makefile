@@ -1,12 +1,14 @@
-# `make train` runs the main job on the embedded defaults; `make test` runs the test suite.
-# Both create the virtual environment first (once; re-run only when pyproject.toml changes).
+# `make train` runs the main job on the embedded defaults; `make test` runs the test suite;
+# `make report` writes RUN's HTML report (default: the main job's run folder) to RUN/report.html.
+# All create the virtual environment first (once; re-run only when pyproject.toml changes).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
+RUN ?= runs/grpo-smollm2-chain-sum
 
-.PHONY: setup train test bench
+.PHONY: setup train test bench report
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -22,6 +24,9 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+report: $(STAMP)
+	$(VENV)/bin/nearpolicy report $(RUN)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py

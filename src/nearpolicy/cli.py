@@ -1,5 +1,6 @@
 """Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`,
-`nearpolicy summary RUN_DIR`."""
+`nearpolicy summary RUN_DIR`, `nearpolicy report RUN_DIR [-o OUT.html]`,
+`nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`."""
 
 from __future__ import annotations
 
@@ -62,6 +63,28 @@ def _summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_report(run_dirs: list[Path], out: Path) -> int:
+    from nearpolicy.report import ReportError, write_report
+
+    try:
+        warnings = write_report(run_dirs, out)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    return _write_report([args.run_dir], args.output or args.run_dir / "report.html")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    return _write_report(args.run_dirs, args.output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nearpolicy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     summary = sub.add_parser("summary", help="markdown summary of a run folder (accuracy, mismatch, timings)")
     summary.add_argument("run_dir", type=Path)
     summary.set_defaults(func=_summary)
+    report = sub.add_parser("report", help="self-contained HTML report of a run folder (plots of every logged metric)")
+    report.add_argument("run_dir", type=Path)
+    report.add_argument("-o", "--output", type=Path, help="HTML file to write (default RUN_DIR/report.html)")
+    report.set_defaults(func=_report)
+    compare = sub.add_parser("compare", help="self-contained HTML report overlaying several run folders")
+    compare.add_argument("run_dirs", type=Path, nargs="+", metavar="run_dir")
+    compare.add_argument("-o", "--output", type=Path, default=Path("compare.html"),
+                         help="HTML file to write (default compare.html)")
+    compare.set_defaults(func=_compare)
     return parser
 
 

@@ -1,0 +1,303 @@
+"""`nearpolicy report` and `nearpolicy compare`: one self-contained HTML file of a run's (or several runs') metrics.
+
+A run folder holds metrics.jsonl (one JSON object per step, written by runs.MetricsSink) and, when the trainer wrote
+it, config.json and plan.json. Each panel is a matplotlib figure (Agg, no display) embedded as a base64 PNG data URI,
+so the HTML file needs nothing beside it. A panel is drawn only when at least one run records its metrics; otherwise
+it says "not recorded in this run". In a comparison each run has one colour, and its line is labelled with its
+folder name."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+NOT_RECORDED = "not recorded in this run"
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+class ReportError(Exception):
+    """A run folder that cannot be reported: missing, without metrics.jsonl, or with an unreadable file."""
+
+
+@dataclass
+class Run:
+    """One run folder: metrics rows in step order, config.json and plan.json (empty dicts when absent), and the
+    warnings raised while reading it (a cut-short last line)."""
+
+    name: str
+    rows: list[dict]
+    config: dict = field(default_factory=dict)
+    plan: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @cached_property
+    def keys(self) -> set[str]:
+        """Every metric name some row holds."""
+        return {key for row in self.rows for key in row}
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the rows where `key` holds a finite number."""
+        points = [(row["step"], float(row[key])) for row in self.rows if _is_finite_number(row.get(key))]
+        return [s for s, _ in points], [v for _, v in points]
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def load_run(run_dir: Path) -> Run:
+    """Read a run folder's metrics.jsonl (required), config.json and plan.json (optional).
+
+    Raises ReportError naming the folder or file when the folder or metrics.jsonl is missing, or a file cannot be
+    parsed. A last line that is not valid JSON (cut short by a kill) is skipped with a warning."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"run folder {run_dir} does not exist")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"no metrics.jsonl in {run_dir}")
+    rows, warnings = _read_metrics(path)
+    return Run(run_dir.resolve().name, rows, _read_optional_json(run_dir / "config.json"),
+               _read_optional_json(run_dir / "plan.json"), warnings)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ReportError(f"cannot read {path}: {err}") from None
+
+
+def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
+    lines = _read_text(path).splitlines()
+    rows, warnings = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            if number == len(lines):
+                warnings.append(f"{path}: skipped line {number}, cut short (not valid JSON)")
+                continue
+            raise ReportError(f"{path} line {number} is not valid JSON: {err}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ReportError(f"{path} line {number} is not a metrics object with an integer 'step'")
+        rows.append(row)
+    if not rows:
+        raise ReportError(f"{path} holds no metric rows")
+    return sorted(rows, key=lambda row: row["step"]), warnings
+
+
+def _read_optional_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(_read_text(path))
+    except ValueError as err:
+        raise ReportError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} does not hold a JSON object")
+    return data
+
+
+# -- panels ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Series:
+    """One line: the first of `keys` that a run records is drawn (a newer metric name before its older name);
+    `band` names a metric drawn as a +/- band around it."""
+
+    label: str
+    keys: tuple[str, ...]
+    band: str | None = None
+
+    def key_in(self, run: Run) -> str | None:
+        return next((key for key in self.keys if key in run.keys), None)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A plot of fixed `series`, or of every metric whose name satisfies `match` (one line each)."""
+
+    title: str
+    ylabel: str
+    series: tuple[Series, ...] = ()
+    match: Callable[[str], bool] | None = None
+    log_y: bool = False
+    missing: str = NOT_RECORDED
+
+    def lines(self, run: Run) -> list[tuple[Series, str]]:
+        """(series, metric key) of each line this run records."""
+        if self.match is not None:
+            return [(Series(key, (key,)), key) for key in sorted(run.keys) if self.match(key)]
+        return [(s, key) for s in self.series if (key := s.key_in(run)) is not None]
+
+
+def _is_fraction(key: str) -> bool:
+    return key.endswith(("clip_frac", "mask_frac")) or (key.startswith(("actor/", "correction/")) and "frac" in key)
+
+
+DISCREPANCY_K3 = Series("numerical discrepancy", ("mismatch/discrepancy_k3", "mismatch/k3"))
+PANELS = (
+    Panel("Reward", "reward (mean ± std over samples)", (Series("reward", ("reward/mean",), band="reward/std"),)),
+    Panel("Eval accuracy", "accuracy (greedy, held-out)", (Series("eval accuracy", ("eval/accuracy",)),)),
+    Panel("Mismatch k3 by component (log scale)", "k3 estimate of KL (nats / token)",
+          (DISCREPANCY_K3, Series("policy lag", ("mismatch/lag_k3",)), Series("total", ("mismatch/total_k3",))),
+          log_y=True),
+    Panel("Effective sample size", "normalised ESS",
+          (Series("numerical discrepancy", ("mismatch/discrepancy_ess", "mismatch/ess")),
+           Series("policy lag", ("mismatch/lag_ess",)))),
+    Panel("Clip and mask fractions", "fraction of tokens", match=_is_fraction),
+    Panel("Staleness", "policy versions behind / fraction",
+          (Series("staleness mean", ("policy/staleness_mean",)), Series("staleness max", ("policy/staleness_max",)),
+           Series("off-policy token fraction", ("policy/off_policy_token_frac",))),
+          missing=f"{NOT_RECORDED} (a synchronous run samples every rollout from the current weights)"),
+    Panel("Throughput", "tokens / s", match=lambda key: key.startswith("throughput/")),
+    Panel("Phase timings", "seconds", match=lambda key: key.startswith("time/")),
+    Panel("Entropy", "nats / token", (Series("entropy", ("entropy",)),)),
+    Panel("Response length", "tokens",
+          (Series("train mean", ("response/length_mean",)), Series("train max", ("response/length_max",)),
+           Series("eval mean", ("eval/response_length",)))),
+)
+
+
+def _plot_line(ax, run: Run, key: str, band: str | None, log_y: bool, style: dict) -> bool:
+    """Draw one run's metric; returns whether any point was drawn."""
+    points = [(s, v) for s, v in zip(*run.series(key)) if v > 0 or not log_y]
+    if not points:
+        return False
+    steps, values = [s for s, _ in points], [v for _, v in points]
+    sparse = len(values) == 1 or len(values) < len(run.rows) / 2
+    ax.plot(steps, values, marker="o" if sparse else None, markersize=4, **style)
+    if band is not None:
+        spread = dict(zip(*run.series(band)))
+        rows = [(s, v, spread[s]) for s, v in zip(steps, values) if s in spread]
+        ax.fill_between([s for s, _, _ in rows], [v - d for _, v, d in rows], [v + d for _, v, d in rows],
+                        color=style["color"], alpha=0.15, linewidth=0)
+    return True
+
+
+def render_panel(panel: Panel, runs: Sequence[Run]) -> bytes | None:
+    """PNG bytes of `panel` over `runs` (one colour per run in a comparison), or None when no run records it."""
+    if not any(panel.lines(run) for run in runs):
+        return None
+    fig = Figure(figsize=(8, 3.4), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    drawn = False
+    for r, run in enumerate(runs):
+        lines = panel.lines(run)
+        for s, (series, key) in enumerate(lines):
+            if len(runs) == 1:
+                style = {"color": f"C{s % 10}", "linestyle": "-", "label": series.label}
+            else:
+                label = run.name if len(lines) == 1 else f"{run.name}: {series.label}"
+                style = {"color": f"C{r % 10}", "linestyle": LINESTYLES[s % len(LINESTYLES)], "label": label}
+            drawn |= _plot_line(ax, run, key, series.band, panel.log_y, style)
+    if drawn:
+        ax.set_yscale("log" if panel.log_y else "linear")
+        ax.legend(fontsize=8)
+    else:
+        empty = "no positive values to draw on a log scale" if panel.log_y else "no finite values to draw"
+        ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
+    ax.set(xlabel="step", ylabel=panel.ylabel)
+    ax.grid(alpha=0.3)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _missing_notes(panel: Panel, runs: Sequence[Run]) -> list[str]:
+    """One note per fixed series that some run does not record."""
+    notes = []
+    for series in panel.series:
+        absent = [run.name for run in runs if series.key_in(run) is None]
+        if absent:
+            where = NOT_RECORDED if len(runs) == 1 else f"not recorded in {', '.join(absent)}"
+            notes.append(f"{series.label} ({' / '.join(series.keys)}): {where}")
+    return notes
+
+
+# -- header table and page -------------------------------------------------------------------------------------------
+def run_summary(run: Run) -> dict[str, str]:
+    """The header row of a run: name, model, engine, steps, final and peak eval accuracy, median k3, total time."""
+    model = run.config.get("model", {}).get("path") or Path(run.plan.get("model_file", "")).name
+    engine = run.plan.get("engine") or "unknown (no plan.json)"
+    steps = max(row["step"] for row in run.rows)
+    planned = run.config.get("run", {}).get("steps")
+    evals = list(zip(*run.series("eval/accuracy")))
+    k3_key = DISCREPANCY_K3.key_in(run)
+    k3 = run.series(k3_key)[1] if k3_key else []
+    seconds = sum(run.series("time/step")[1])
+    peak = max(evals, key=lambda point: point[1]) if evals else None
+    return {
+        "run": run.name, "model": str(model or "unknown (no config.json)"), "engine": str(engine),
+        "steps": f"{steps} of {planned}" if planned else str(steps),
+        "final eval accuracy": f"{evals[-1][1]:.3f} (step {evals[-1][0]})" if evals else NOT_RECORDED,
+        "peak eval accuracy": f"{peak[1]:.3f} (step {peak[0]})" if peak else NOT_RECORDED,
+        "median k3 (discrepancy)": f"{statistics.median(k3):.3g} nats" if k3 else NOT_RECORDED,
+        "total time (sum of step times)": f"{seconds / 60:.1f} min" if seconds else NOT_RECORDED,
+    }
+
+
+STYLE = """body{font-family:sans-serif;max-width:880px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:14px}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}
+img{max-width:100%}.note{color:#666;font-size:14px}.warning{color:#a40}"""
+
+
+def _table(runs: Sequence[Run]) -> str:
+    summaries = [run_summary(run) for run in runs]
+    head = "".join(f"<th>{html.escape(name)}</th>" for name in summaries[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in s.values()) + "</tr>" for s in summaries)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _section(panel: Panel, runs: Sequence[Run]) -> str:
+    png = render_panel(panel, runs)
+    title = html.escape(panel.title)
+    if png is None:
+        return f"<section><h2>{title}</h2><p class='note'>{html.escape(panel.missing)}</p></section>"
+    notes = "".join(f"<p class='note'>{html.escape(note)}</p>" for note in _missing_notes(panel, runs))
+    image = f"<img alt='{title}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+    return f"<section><h2>{title}</h2>{image}{notes}</section>"
+
+
+def render_html(runs: Sequence[Run]) -> str:
+    """The self-contained HTML page: header table, read warnings, then one section per panel."""
+    title = ("nearpolicy report: " if len(runs) == 1 else "nearpolicy compare: ") + ", ".join(r.name for r in runs)
+    warnings = "".join(f"<p class='warning'>{html.escape(w)}</p>" for run in runs for w in run.warnings)
+    sections = "".join(_section(panel, runs) for panel in PANELS)
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{_table(runs)}{warnings}{sections}"
+            "</body></html>\n")
+
+
+def write_report(run_dirs: Sequence[Path], out: Path) -> list[str]:
+    """Write the report of one run folder (or the comparison of several) to `out`; returns the read warnings.
+
+    Raises ReportError for an unreadable run folder or an unwritable `out`."""
+    runs = _distinct_names([load_run(Path(d)) for d in run_dirs], run_dirs)
+    page = render_html(runs)
+    try:
+        Path(out).write_text(page)
+    except OSError as err:
+        raise ReportError(f"cannot write {out}: {err}") from None
+    return [w for run in runs for w in run.warnings]
+
+
+def _distinct_names(runs: list[Run], run_dirs: Sequence[Path]) -> list[Run]:
+    """Label runs by the path given when two folders share a name."""
+    names = [run.name for run in runs]
+    for run, run_dir in zip(runs, run_dirs):
+        if names.count(run.name) > 1:
+            run.name = str(run_dir)
+    return runs

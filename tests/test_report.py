@@ -1,0 +1,220 @@
+"""`nearpolicy report` / `compare`: panels drawn or marked missing, valid PNGs, header values, error paths, and the
+main job's report opened in headless Chromium (Debian's /usr/bin/chromium, driven by playwright) with every image
+loaded."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from nearpolicy.cli import main
+from nearpolicy.report import PANELS, Panel, Run, load_run, render_panel, run_summary
+
+MAIN_JOB_METRICS = Path(__file__).parents[1] / "docs" / "runs" / "grpo-smollm2-chain-sum.metrics.jsonl"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+FAKE_K3 = [0.0, 0.004, 0.002]  # a zero k3 cannot be drawn on the log scale and is left out
+
+
+def _fake_rows() -> list[dict]:
+    """A 3-step run: eval at steps 0 and 3, no policy-lag or staleness metrics, one non-finite (null) entropy."""
+    rows = [{"step": 0, "eval/accuracy": 0.25, "eval/response_length": 11.0}]
+    for step, k3 in enumerate(FAKE_K3, 1):
+        rows.append({"step": step, "reward/mean": 0.1 * step, "reward/std": 0.3, "mismatch/k3": k3,
+                     "mismatch/ess": 0.99, "actor/pg_clipfrac": 0.01, "correction/frac_high": 0.0,
+                     "mismatch/frac_ratio_outside_0.5_2": 0.0, "time/rollout": 2.0, "time/update": 3.0,
+                     "time/step": 6.0, "throughput/rollout_tokens_per_s": 100.0 + step,
+                     "entropy": None if step == 2 else 1.5, "response/length_mean": 30.0})
+    rows[-1] |= {"eval/accuracy": 0.5, "time/eval": 1.0}
+    return rows
+
+
+def _write_run(folder: Path, rows: list[dict], config: dict | None = None, plan: dict | None = None) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for name, data in (("config.json", config), ("plan.json", plan)):
+        if data is not None:
+            (folder / name).write_text(json.dumps(data))
+    return folder
+
+
+def _sections(page: str) -> dict[str, str]:
+    """Panel title -> the HTML of its section."""
+    return dict(re.findall(r"<section><h2>(.*?)</h2>(.*?)</section>", page))
+
+
+def _images(page: str) -> list[Image.Image]:
+    """Every data-URI image of the page, decoded and verified as PNG."""
+    images = []
+    for data in re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page):
+        raw = base64.b64decode(data)
+        assert raw.startswith(b"\x89PNG\r\n\x1a\n")
+        Image.open(io.BytesIO(raw)).verify()
+        images.append(Image.open(io.BytesIO(raw)))
+    return images
+
+
+@pytest.fixture
+def fake_run(tmp_path: Path) -> Path:
+    return _write_run(tmp_path / "fake", _fake_rows(), config={"model": {"path": "smollm2"}, "run": {"steps": 3}},
+                      plan={"engine": "llamacpp:q8_0"})
+
+
+@pytest.fixture
+def main_job_run(tmp_path: Path) -> Path:
+    """A run folder holding only the main job's metrics.jsonl (no config.json, no plan.json)."""
+    folder = tmp_path / "grpo-smollm2-chain-sum"
+    folder.mkdir()
+    shutil.copy(MAIN_JOB_METRICS, folder / "metrics.jsonl")
+    return folder
+
+
+def test_fake_run_draws_recorded_panels_and_names_missing_ones(fake_run: Path):
+    assert main(["report", str(fake_run)]) == 0
+    page = (fake_run / "report.html").read_text()
+    sections = _sections(page)
+    assert list(sections) == [panel.title for panel in PANELS]
+    drawn = {title for title, body in sections.items() if "data:image/png" in body}
+    assert drawn == {panel.title for panel in PANELS} - {"Staleness"}
+    assert "not recorded in this run (a synchronous run" in sections["Staleness"]
+    assert "policy lag (mismatch/lag_k3): not recorded in this run" in sections["Mismatch k3 by component (log scale)"]
+    assert "mismatch/frac_ratio_outside_0.5_2" not in page  # a mismatch metric, not a clip or mask fraction
+    images = _images(page)
+    assert len(images) == len(drawn)
+    assert all(image.width == 800 and image.height == 340 for image in images)
+    for cell in ("<td>fake</td>", "<td>smollm2</td>", "<td>llamacpp:q8_0</td>", "<td>3 of 3</td>",
+                 "<td>0.500 (step 3)</td>", "<td>0.002 nats</td>", "<td>0.3 min</td>"):
+        assert cell in page
+
+
+def test_fraction_panel_matches_clip_and_mask_fractions_only():
+    fractions = next(panel for panel in PANELS if panel.title == "Clip and mask fractions")
+    run = Run("r", [{"step": 1, "actor/pg_clipfrac": 0.0, "correction/frac_low": 0.0, "correction/mask_frac": 0.0,
+                     "seq/clip_frac": 0.0, "actor/loss": 1.0, "mismatch/frac_ratio_outside_0.5_2": 0.0}])
+    assert [key for _, key in fractions.lines(run)] == ["actor/pg_clipfrac", "correction/frac_low",
+                                                         "correction/mask_frac", "seq/clip_frac"]
+
+
+@pytest.mark.parametrize("title, key, value", [("Mismatch k3 by component (log scale)", "mismatch/k3", 0.0),
+                                               ("Entropy", "entropy", None)])
+def test_panel_without_drawable_values_is_still_an_image(title: str, key: str, value):
+    panel = next(panel for panel in PANELS if panel.title == title)
+    png = render_panel(panel, [Run("r", [{"step": s, key: value} for s in (1, 2)])])
+    assert Image.open(io.BytesIO(png)).size == (800, 340)
+
+
+def test_lag_components_and_staleness_are_drawn_when_recorded(tmp_path: Path):
+    rows = [{"step": s, "mismatch/k3": 1.0, "mismatch/discrepancy_k3": 0.001 * s, "mismatch/lag_k3": 0.01,
+             "mismatch/total_k3": 0.011, "mismatch/discrepancy_ess": 0.99, "mismatch/lag_ess": 0.9,
+             "policy/staleness_mean": 0.5, "policy/staleness_max": 1.0} for s in (1, 2, 3)]
+    run = load_run(_write_run(tmp_path / "async", rows))
+    mismatch: Panel = PANELS[2]
+    assert [(series.label, key) for series, key in mismatch.lines(run)] == [
+        ("numerical discrepancy", "mismatch/discrepancy_k3"), ("policy lag", "mismatch/lag_k3"),
+        ("total", "mismatch/total_k3")]
+    assert run_summary(run)["median k3 (discrepancy)"] == "0.002 nats"  # discrepancy_k3, not the older k3
+    assert main(["report", str(tmp_path / "async")]) == 0
+    sections = _sections((tmp_path / "async" / "report.html").read_text())
+    assert "not recorded" not in sections["Mismatch k3 by component (log scale)"]
+    assert "not recorded" not in sections["Effective sample size"]
+    assert "data:image/png" in sections["Staleness"]
+    assert "off-policy token fraction (policy/off_policy_token_frac): not recorded" in sections["Staleness"]
+
+
+def test_main_job_report_from_metrics_alone(main_job_run: Path):
+    rows = [json.loads(line) for line in MAIN_JOB_METRICS.read_text().splitlines()]
+    assert main(["report", str(main_job_run), "-o", str(main_job_run / "out.html")]) == 0
+    page = (main_job_run / "out.html").read_text()
+    median_k3 = statistics.median(row["mismatch/k3"] for row in rows if "mismatch/k3" in row)
+    for cell in ("<td>unknown (no config.json)</td>", "<td>unknown (no plan.json)</td>", "<td>30</td>",
+                 "<td>0.492 (step 30)</td>", "<td>0.695 (step 20)</td>", f"<td>{median_k3:.3g} nats</td>"):
+        assert cell in page
+    assert len(_images(page)) == len(PANELS) - 1  # all but staleness
+
+
+def test_compare_overlays_runs_and_names_what_one_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    first = _write_run(tmp_path / "a" / "run-a", _fake_rows())
+    second = _write_run(tmp_path / "b" / "run-b", [{k: v for k, v in row.items() if k != "entropy"}
+                                                   for row in _fake_rows()])
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", str(first), str(second)]) == 0
+    page = (tmp_path / "compare.html").read_text()
+    assert "<h1>nearpolicy compare: run-a, run-b</h1>" in page
+    assert "<td>run-a</td>" in page and "<td>run-b</td>" in page
+    assert "entropy (entropy): not recorded in run-b" in _sections(page)["Entropy"]
+    assert len(_images(page)) == len(PANELS) - 1
+
+
+def test_compare_labels_same_named_folders_by_path(tmp_path: Path):
+    first = _write_run(tmp_path / "a" / "run", _fake_rows())
+    second = _write_run(tmp_path / "b" / "run", _fake_rows())
+    assert main(["compare", str(first), str(second), "-o", str(tmp_path / "out.html")]) == 0
+    page = (tmp_path / "out.html").read_text()
+    assert f"<td>{first}</td>" in page and f"<td>{second}</td>" in page
+
+
+def test_cut_short_last_line_is_skipped_with_a_warning(fake_run: Path, capsys: pytest.CaptureFixture):
+    with (fake_run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "reward/me')
+    assert main(["report", str(fake_run)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {fake_run / 'metrics.jsonl'}: skipped line 5, cut short" in err
+    assert "skipped line 5" in (fake_run / "report.html").read_text()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda run: shutil.rmtree(run), "run folder {run} does not exist"),
+    (lambda run: (run / "metrics.jsonl").unlink(), "no metrics.jsonl in {run}"),
+    (lambda run: (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n'),
+     "{run}/metrics.jsonl line 2 is not valid JSON"),
+    (lambda run: (run / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n'),
+     "{run}/metrics.jsonl line 2 is not a metrics object with an integer 'step'"),
+    (lambda run: (run / "metrics.jsonl").write_text("\n"), "{run}/metrics.jsonl holds no metric rows"),
+    (lambda run: (run / "config.json").write_text("{"), "{run}/config.json is not valid JSON"),
+    (lambda run: (run / "plan.json").write_text("[]"), "{run}/plan.json does not hold a JSON object"),
+], ids=["no-folder", "no-metrics", "bad-line", "not-an-object", "empty", "bad-config", "plan-not-object"])
+def test_unreadable_run_exits_2_naming_the_file(fake_run: Path, capsys: pytest.CaptureFixture, damage, message):
+    damage(fake_run)
+    assert main(["report", str(fake_run)]) == 2
+    assert f"error: {message.format(run=fake_run)}" in capsys.readouterr().err
+    assert not (fake_run / "report.html").exists()
+
+
+def test_unwritable_output_exits_2(fake_run: Path, capsys: pytest.CaptureFixture):
+    out = fake_run / "missing-folder" / "report.html"
+    assert main(["report", str(fake_run), "-o", str(out)]) == 2
+    assert f"error: cannot write {out}" in capsys.readouterr().err
+
+
+def test_report_opens_in_headless_chromium_with_every_image_loaded(main_job_run: Path):
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); .ci/run does")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is missing: pip install -e '.[test]'")
+    assert main(["report", str(main_job_run)]) == 0
+    page_file = main_job_run / "report.html"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 800})
+            page.goto(page_file.as_uri(), wait_until="load")
+            loaded = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.complete && i.naturalWidth > 0)")
+            screenshot = page.screenshot(full_page=True)
+        finally:
+            browser.close()
+    assert loaded == [True] * (len(PANELS) - 1)
+    image = Image.open(io.BytesIO(screenshot))
+    assert image.format == "PNG" and image.width == 1000 and image.height > 800
+    low, high = image.convert("L").getextrema()
+    assert low < high
