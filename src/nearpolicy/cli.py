@@ -1,6 +1,6 @@
 """Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`,
 `nearpolicy summary RUN_DIR`, `nearpolicy report RUN_DIR [-o OUT.html]`,
-`nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`."""
+`nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`, `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`."""
 
 from __future__ import annotations
 
@@ -85,6 +85,60 @@ def _compare(args: argparse.Namespace) -> int:
     return _write_report(args.run_dirs, args.output)
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.diagnosis.run import DiagnoseSettings, run_diagnosis
+    from nearpolicy.engines.base import EngineError
+
+    try:
+        cfg = load_config(args.config, args.set or [])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    settings = DiagnoseSettings(
+        candidates=args.candidates or DiagnoseSettings().candidates, prompts=args.prompts, group_size=args.group,
+        out=args.out, weights=args.weights, budget_k3=args.budget_k3, budget_floor_multiple=args.budget_floor_multiple,
+        budget_seq_ess=args.budget_seq_ess, sensitivity=args.sensitivity or [], propose=args.propose,
+        promote_to=args.promote_to, progress=cfg.logging.progress)
+    try:
+        report, code = run_diagnosis(cfg, settings, log=lambda msg: print(msg, file=sys.stderr))
+    except (ValueError, OSError, EngineError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    verdict = "every candidate admitted" if code == 0 else "at least one candidate rejected"
+    print(f"{verdict}; wrote {args.out / 'diagnose.json'}", file=sys.stderr)
+    return code
+
+
+def _add_diagnose(sub) -> None:
+    from nearpolicy.engines.gguf_export import PRECISIONS
+
+    d = sub.add_parser("diagnose", help="measure engine/trainer mismatch of rollout configurations; admission check",
+                       description="Sample responses from each candidate rollout configuration, recompute the "
+                       "trainer's log-probs and admit or reject each against a k3 budget calibrated on the noise "
+                       "floor (trainer vs the f32 engine). Exit 0 when every candidate is admitted, 1 otherwise.")
+    d.add_argument("config", type=Path, nargs="?", help="TOML config for model, task and sampling (default: embedded)")
+    d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    d.add_argument("--candidates", nargs="+", metavar="SPEC",
+                   help="e.g. llamacpp:q4_1 llamacpp:q4_1,blk.0-2=f16 hf:bf16 llamacpp:f16,temperature=0.7 "
+                   "(default: llamacpp f32 f16 q8_0 q4_1 mxfp4 and hf:bf16)")
+    d.add_argument("--prompts", type=int, default=16, help="task prompts to sample (default 16)")
+    d.add_argument("--group", type=int, default=4, help="samples per prompt (default 4)")
+    d.add_argument("--out", type=Path, default=Path("runs/diagnose"), help="output folder (default runs/diagnose)")
+    d.add_argument("--weights", type=Path, help="checkpoint folder (or .safetensors) replacing model.path's weights")
+    budget = d.add_mutually_exclusive_group()
+    budget.add_argument("--budget-k3", type=float, help="absolute k3 budget, nats/token")
+    budget.add_argument("--budget-floor-multiple", type=float, help="budget = this multiple of the noise floor's k3")
+    d.add_argument("--budget-seq-ess", type=float, default=0.5,
+                   help="default budget: sequence ESS >= this at sampling.max_new_tokens tokens (default 0.5)")
+    d.add_argument("--sensitivity", nargs="+", metavar="PRECISION", choices=PRECISIONS,
+                   help="per-layer sensitivity scan at these GGUF precisions (bar chart PNG)")
+    d.add_argument("--propose", action="store_true",
+                   help="for each rejected llamacpp candidate, search the cheapest mixed-precision recipe that passes")
+    d.add_argument("--promote-to", default="f16", choices=PRECISIONS, help="precision of promoted units (default f16)")
+    d.set_defaults(func=_diagnose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nearpolicy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("-o", "--output", type=Path, default=Path("compare.html"),
                          help="HTML file to write (default compare.html)")
     compare.set_defaults(func=_compare)
+    _add_diagnose(sub)
     return parser
 
 

@@ -105,3 +105,49 @@ def mismatch_decomposition(logprobs: torch.Tensor, old_logprobs: torch.Tensor, r
         m = mismatch_metrics(pi, mu, defined)
         out[f"{name}_k3"], out[f"{name}_ess"] = m["k3"], m["ess"]
     return out
+
+
+def logprob_diff_quantiles(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor,
+                           quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, torch.Tensor]:
+    """Quantiles and max of |log pi - log mu| (nats) over defined tokens of [B, T] inputs, float64 scalars
+    ("p50", "p90", "p99", "max"); zeros when no token is defined."""
+    diff = (pi_logprobs.double() - mu_logprobs.double())[defined.bool()].abs()
+    if diff.numel() == 0:
+        diff = torch.zeros(1, dtype=torch.float64)
+    q = torch.quantile(diff, torch.tensor(quantiles, dtype=torch.float64))
+    return {f"p{round(100 * k):d}": v for k, v in zip(quantiles, q)} | {"max": diff.max()}
+
+
+def mismatch_by_position(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor,
+                         bucket: int) -> dict[str, torch.Tensor]:
+    """How the mismatch grows with position in the response: token-mean k3 = mean(r - 1 - log r) and mean
+    |log r| (r = pi / mu) per bucket of `bucket` response positions ([0, bucket), [bucket, 2 bucket), ...).
+    Inputs [B, T]; returns float64 [K] tensors "start", "k3", "mean_abs_logprob_diff", "tokens" over buckets
+    that hold at least one defined token."""
+    defined = defined.bool()
+    log_r = (select(pi_logprobs.double(), defined) - select(mu_logprobs.double(), defined)).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    starts, k3, mad, counts = [], [], [], []
+    for start in range(0, defined.shape[1], bucket):
+        cols = slice(start, start + bucket)
+        n = defined[:, cols].sum()
+        if n == 0:
+            continue
+        starts.append(float(start))
+        k3.append(masked_mean(log_r[:, cols].exp() - 1 - log_r[:, cols], defined[:, cols]))
+        mad.append(masked_mean(log_r[:, cols].abs(), defined[:, cols]))
+        counts.append(n.double())
+    as_tensor = lambda xs: torch.stack(xs) if xs else torch.zeros(0, dtype=torch.float64)  # noqa: E731
+    return {"start": torch.tensor(starts, dtype=torch.float64), "k3": as_tensor(k3),
+            "mean_abs_logprob_diff": as_tensor(mad), "tokens": as_tensor(counts)}
+
+
+def sequence_ess(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor) -> torch.Tensor:
+    """Normalised ESS (sum w)^2 / (n sum w^2) of the sequence weights w_i = prod_t pi / mu over sequences with a
+    defined token (inputs [B, T]); computed with log-sum-exp so long sequences do not overflow. 1 when fewer
+    than one such sequence."""
+    defined = defined.bool()
+    log_w = (select(pi_logprobs.double(), defined) - select(mu_logprobs.double(), defined)).sum(-1)
+    log_w = log_w[defined.any(-1)]
+    if log_w.numel() == 0:
+        return torch.ones((), dtype=torch.float64)
+    return (2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0)).exp() / log_w.numel()

@@ -1,0 +1,109 @@
+"""Rollout configurations to diagnose, written as one string each:
+
+    ENGINE:PRECISION[,option=value ...]
+
+ENGINE:PRECISION is `llamacpp:<gguf type>` (f32 f16 bf16 q8_0 q5_0 q4_0 q4_1 mxfp4) or `hf:<dtype>` (fp32, bf16).
+Options: `kv_cache=f16|f32` and `flash_attention=true|false` (llamacpp), `temperature=`, `top_p=`, `top_k=`
+(sampling, replacing the config's), `round_weights=<gguf type>` (the weights are rounded to that type and back
+before export: weight-quantization error without the type's kernels), and per-tensor precision overrides
+`<selector>=<gguf type>` (engines/precision_map.py: embeddings, output, attention, mlp, blk.N, blk.N-M, globs).
+Example: `llamacpp:q4_1,blk.0-2=f16,kv_cache=f32`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from nearpolicy.engines.gguf_export import PRECISIONS
+from nearpolicy.engines.hf import DTYPES
+from nearpolicy.engines.precision_map import describe, selector_globs
+from nearpolicy.types import SamplingParams
+
+_SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int}
+
+
+@dataclass(frozen=True)
+class RolloutCandidate:
+    """One engine x precision x sampling configuration."""
+
+    engine: str  # "llamacpp" or "hf"
+    precision: str  # GGUF type (llamacpp) or torch dtype name (hf)
+    kv_cache: str = "f16"
+    flash_attention: bool = False
+    round_weights: str | None = None
+    tensor_precision: tuple[tuple[str, str], ...] = ()
+    sampling: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or self.spec()
+
+    def spec(self) -> str:
+        """The candidate written back as a parseable string."""
+        parts = [f"{self.engine}:{self.precision}"]
+        parts += [f"{s}={p}" for s, p in self.tensor_precision]
+        if self.engine == "llamacpp" and self.kv_cache != "f16":
+            parts.append(f"kv_cache={self.kv_cache}")
+        if self.flash_attention:
+            parts.append("flash_attention=true")
+        if self.round_weights:
+            parts.append(f"round_weights={self.round_weights}")
+        parts += [f"{k}={v}" for k, v in self.sampling.items()]
+        return ",".join(parts)
+
+    def weights_description(self) -> str:
+        return describe(self.precision, self.tensor_precision)
+
+    def sampling_params(self, base: SamplingParams) -> SamplingParams:
+        return replace(base, **self.sampling)
+
+    def with_overrides(self, overrides: tuple[tuple[str, str], ...], label: str = "") -> "RolloutCandidate":
+        return replace(self, tensor_precision=self.tensor_precision + overrides, label=label)
+
+
+def parse_candidate(text: str) -> RolloutCandidate:
+    """Parse one candidate string (grammar in the module docstring). Raises ValueError naming the bad part."""
+    head, *options = [part.strip() for part in text.split(",")]
+    engine, sep, precision = head.partition(":")
+    if not sep or engine not in ("llamacpp", "hf"):
+        raise ValueError(f"candidate {text!r}: expected llamacpp:<precision> or hf:<dtype>")
+    valid = PRECISIONS if engine == "llamacpp" else tuple(DTYPES)
+    if precision not in valid:
+        raise ValueError(f"candidate {text!r}: unknown {engine} precision {precision!r}; valid: {', '.join(valid)}")
+    fields: dict = {"engine": engine, "precision": precision}
+    overrides, sampling = [], {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise ValueError(f"candidate {text!r}: option {option!r} is not key=value")
+        if key in _SAMPLING_KEYS:
+            sampling[key] = _number(text, key, value, _SAMPLING_KEYS[key])
+        elif key == "kv_cache" and value in ("f16", "f32"):
+            fields["kv_cache"] = value
+        elif key == "flash_attention" and value in ("true", "false"):
+            fields["flash_attention"] = value == "true"
+        elif key == "round_weights" and value in PRECISIONS:
+            fields["round_weights"] = value
+        elif value in PRECISIONS and engine == "llamacpp":
+            try:
+                selector_globs(key)
+            except ValueError as err:
+                raise ValueError(f"candidate {text!r}: {err}") from None
+            overrides.append((key, value))
+        else:
+            raise ValueError(f"candidate {text!r}: cannot use option {option!r} (keys: kv_cache, flash_attention, "
+                             f"round_weights, {', '.join(_SAMPLING_KEYS)} or a tensor selector; GGUF types: "
+                             f"{', '.join(PRECISIONS)})")
+    candidate = RolloutCandidate(**fields, tensor_precision=tuple(overrides), sampling=sampling)
+    try:
+        candidate.sampling_params(SamplingParams())  # validates the sampling values now
+    except ValueError as err:
+        raise ValueError(f"candidate {text!r}: {err}") from None
+    return candidate
+
+
+def _number(text: str, key: str, value: str, kind: type) -> float | int:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"candidate {text!r}: {key} must be a {kind.__name__}, got {value!r}") from None

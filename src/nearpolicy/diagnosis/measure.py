@@ -1,0 +1,120 @@
+"""Sample responses from one rollout candidate, recompute the trainer's log-probs of the sampled tokens, and
+summarise the mismatch. The trainer (pi) is the fp32 policy; the engine (mu) is the candidate; every ratio is
+r = pi / mu on tokens sampled from mu, so the KL estimators are of KL(mu || pi) in nats per token."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nearpolicy.batching import collate
+from nearpolicy.diagnosis.candidates import RolloutCandidate
+from nearpolicy.engines.precision_map import round_to_precision
+from nearpolicy.ops.diagnostics import (logprob_diff_quantiles, mismatch_by_position, mismatch_metrics,
+                                        sequence_ess)
+from nearpolicy.types import GenerationRequest, SamplingParams
+from nearpolicy.update import recompute_logprobs
+
+
+@dataclass
+class DiagnoseContext:
+    """What every candidate is measured against: the trainer's policy and the prompts."""
+
+    model: torch.nn.Module  # the trainer's fp32 policy (pi); never modified
+    tokenizer: object
+    template_gguf: Path | None
+    prompts: list[list[int]]
+    group_size: int
+    sampling: SamplingParams
+    workdir: Path
+    seed: int = 0
+    threads: int = 2
+    max_context: int = 1024
+    micro_batch_size: int = 8
+    position_bucket: int = 8
+
+
+@dataclass
+class CandidateResult:
+    """The mismatch of one candidate: flat float metrics, the per-position profile and timings."""
+
+    candidate: str
+    weights: str
+    metrics: dict[str, float]
+    by_position: dict[str, list[float]] = field(default_factory=dict)
+
+    def row(self) -> dict[str, float | str]:
+        return {"candidate": self.candidate, "weights": self.weights, **self.metrics}
+
+
+def engine_state_dict(ctx: DiagnoseContext, candidate: RolloutCandidate) -> dict[str, torch.Tensor]:
+    """The weights the candidate's engine receives: the trainer's, rounded to `round_weights` when set."""
+    state = {k: v.detach() for k, v in ctx.model.state_dict().items()}
+    if candidate.round_weights:
+        state = {k: torch.from_numpy(round_to_precision(v.float().numpy(), candidate.round_weights)) if v.ndim >= 2 else v
+                 for k, v in state.items()}
+    return state
+
+
+def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
+    """Start the candidate's engine on the trainer's weights (a GGUF written to ctx.workdir for llama.cpp)."""
+    state = engine_state_dict(ctx, candidate)
+    if candidate.engine == "llamacpp":
+        from nearpolicy.engines.gguf_export import export_gguf
+        from nearpolicy.engines.llamacpp import LlamaCppEngine
+
+        ctx.workdir.mkdir(parents=True, exist_ok=True)
+        path = ctx.workdir / "candidate.gguf"
+        export_gguf(state, ctx.model.config, path, candidate.precision, ctx.template_gguf, tokenizer=ctx.tokenizer,
+                    tensor_precision=candidate.tensor_precision)
+        return LlamaCppEngine(path, max_context=ctx.max_context, threads=ctx.threads, kv_cache=candidate.kv_cache,
+                              flash_attention=candidate.flash_attention)
+    from nearpolicy.engines.hf import HFEngine
+    from nearpolicy.setup import stop_token_ids
+
+    engine = HFEngine(ctx.model, stop_token_ids(ctx.tokenizer, ctx.model), dtype=candidate.precision)
+    if candidate.round_weights:
+        engine.update_weights(state, 0)
+    return engine
+
+
+def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samples=lambda n: None) -> CandidateResult:
+    """Sample len(prompts) x group_size responses from the candidate (seeded, prompt by prompt so `on_samples`
+    can drive a progress bar), recompute the trainer's log-probs and return the mismatch metrics."""
+    sampling = candidate.sampling_params(ctx.sampling)
+    engine = build_engine(ctx, candidate)
+    try:
+        t0 = time.perf_counter()
+        rollouts = []
+        for i, prompt in enumerate(ctx.prompts):
+            rollouts += engine.generate([GenerationRequest(i, tuple(prompt), ctx.group_size)], sampling, ctx.seed + i)
+            on_samples(ctx.group_size)
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
+    batch = collate(rollouts, pad, ctx.model.get_output_embeddings().weight.shape[0])
+    trainer = recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
+    defined = batch.mask & batch.has_rollout
+    return summarise(candidate, trainer, batch.rollout_logprobs, defined, ctx.position_bucket, seconds)
+
+
+def summarise(candidate: RolloutCandidate, trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+              defined: torch.Tensor, bucket: int, seconds: float = float("nan")) -> CandidateResult:
+    """Flat metrics of one candidate from [B, T] trainer / engine log-probs on the sampled tokens."""
+    m = mismatch_metrics(trainer_logprobs, rollout_logprobs, defined)
+    q = logprob_diff_quantiles(trainer_logprobs, rollout_logprobs, defined)
+    metrics = {k: float(m[k]) for k in ("k1", "k3", "chi2", "ess", "prob_corr", "frac_ratio_outside_0.5_2")}
+    metrics |= {f"abs_logprob_diff_{k}": float(v) for k, v in q.items()}
+    metrics["seq_ess"] = float(sequence_ess(trainer_logprobs, rollout_logprobs, defined))
+    metrics["tokens"] = float(m["tokens"])
+    metrics["sequences"] = float(defined.any(-1).sum())
+    metrics["mean_response_tokens"] = metrics["tokens"] / max(metrics["sequences"], 1.0)
+    metrics["sampling_seconds"] = seconds
+    metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds > 0 else float("nan")
+    profile = mismatch_by_position(trainer_logprobs, rollout_logprobs, defined, bucket)
+    return CandidateResult(candidate.name, candidate.weights_description(), metrics,
+                           {k: v.tolist() for k, v in profile.items()})

@@ -1,0 +1,209 @@
+"""`nearpolicy diagnose`: measure the noise floor and every candidate, set the budget, give verdicts, and
+optionally scan per-layer sensitivity and propose mixed-precision recipes. Writes diagnose.json / .csv and PNGs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from nearpolicy.config import Config
+from nearpolicy.diagnosis.admission import Budget, admitted, make_budget, propose_recipe
+from nearpolicy.diagnosis.candidates import RolloutCandidate, parse_candidate
+from nearpolicy.diagnosis.measure import CandidateResult, DiagnoseContext, measure_candidate
+from nearpolicy.diagnosis.plots import position_chart, sensitivity_chart
+from nearpolicy.diagnosis.sensitivity import reference_samples, scan
+from nearpolicy.runs import write_json
+from nearpolicy.types import SamplingParams
+
+DEFAULT_CANDIDATES = ("llamacpp:f32", "llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "llamacpp:mxfp4", "hf:bf16")
+FLOOR = "llamacpp:f32,kv_cache=f32"
+
+
+@dataclass
+class DiagnoseSettings:
+    candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
+    prompts: int = 16
+    group_size: int = 4
+    out: Path = Path("runs/diagnose")
+    weights: Path | None = None  # a checkpoint folder whose model.safetensors replaces model.path's weights
+    budget_k3: float | None = None
+    budget_floor_multiple: float | None = None
+    budget_seq_ess: float = 0.5
+    sensitivity: list[str] = field(default_factory=list)  # precisions to scan
+    propose: bool = False
+    promote_to: str = "f16"
+    recipe_rounds: int = 4
+    progress: bool = True
+
+
+def run_diagnosis(cfg: Config, settings: DiagnoseSettings, log=print) -> tuple[dict, int]:
+    """Measure, decide and write the outputs. Returns (the JSON report, exit code: 0 when every candidate is
+    admitted, 1 otherwise). Raises ValueError for a bad candidate string (before any model is loaded)."""
+    candidates = [parse_candidate(c) for c in settings.candidates]
+    floor = parse_candidate(FLOOR)
+    ctx = _context(cfg, settings, log)
+    bar = tqdm(total=(len(candidates) + 1) * len(ctx.prompts) * ctx.group_size, desc="diagnose sampling",
+               disable=not settings.progress, dynamic_ncols=True, unit="sample")
+    floor_result = measure_candidate(ctx, floor, bar.update)
+    floor_result.candidate = f"floor: {FLOOR}"
+    results = []
+    for c in candidates:
+        bar.set_postfix_str(c.name)
+        results.append(measure_candidate(ctx, c, bar.update))
+    bar.close()
+    budget = make_budget(floor_result.metrics["k3"], cfg.sampling.max_new_tokens, absolute=settings.budget_k3,
+                         floor_multiple=settings.budget_floor_multiple, seq_ess_min=settings.budget_seq_ess)
+    if floor_result.metrics["k3"] > budget.k3:
+        log(f"warning: the noise floor k3 {floor_result.metrics['k3']:.3g} exceeds the budget {budget.k3:.3g}")
+    verdicts = [admitted(r.metrics["k3"], budget) for r in results]
+    scans = {p: _scan(ctx, p, floor, settings) for p in settings.sensitivity}
+    recipes = []
+    if settings.propose:
+        for c, ok in zip(candidates, verdicts):
+            if not ok and c.engine == "llamacpp" and not c.tensor_precision:
+                scans.setdefault(c.precision, _scan(ctx, c.precision, floor, settings))
+                recipes.append(_find_recipe(ctx, c, scans[c.precision], budget, settings, log))
+    report = _report(cfg, settings, ctx, floor_result, results, verdicts, budget, scans, recipes)
+    _write(settings.out, report, floor_result, results, verdicts, scans)
+    shutil.rmtree(ctx.workdir, ignore_errors=True)
+    log(markdown_table(report))
+    return report, 0 if all(verdicts) else 1
+
+
+def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
+    import torch
+
+    from nearpolicy.models import load_policy, resolve_model
+    from nearpolicy.setup import chat_prompt_ids
+    from nearpolicy.tasks import make_task
+
+    if settings.prompts < 1 or settings.group_size < 1:
+        raise ValueError(f"--prompts and --group must be >= 1, got {settings.prompts}, {settings.group_size}")
+    torch.set_num_threads(cfg.run.threads)
+    resolved = resolve_model(cfg.model.path)
+    model, tokenizer = load_policy(cfg.model.path)
+    model.float().eval().requires_grad_(False)
+    if settings.weights is not None:
+        load_model_weights(settings.weights, model)
+        log(f"weights from {settings.weights}")
+    t = cfg.task
+    task = make_task(t.kind, name=t.name, options=t.resolved_options(), path=t.path, train_size=t.train_size,
+                     eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines)
+    prompts = [chat_prompt_ids(tokenizer, t.system_prompt, task.train_problem(i).question) for i in range(settings.prompts)]
+    s = cfg.sampling
+    sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens)
+    return DiagnoseContext(model, tokenizer, resolved.path if resolved.kind == "gguf" else None, prompts,
+                           settings.group_size, sampling, Path(settings.out) / "engine", cfg.run.seed, cfg.run.threads,
+                           cfg.model.max_context, cfg.algorithm.micro_batch_size)
+
+
+def load_model_weights(checkpoint: Path, model) -> None:
+    """Load a checkpoint folder's model.safetensors (or a .safetensors file) into `model`, strictly (tied
+    weights excepted). Raises FileNotFoundError / ValueError naming the file."""
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint)
+    path = path / "model.safetensors" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no model weights at {path}")
+    try:
+        weights = load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise ValueError(f"cannot read {path}: {err}") from None
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path} does not match the model: missing {sorted(set(missing) - tied)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]}")
+
+
+def _scan(ctx: DiagnoseContext, precision: str, reference: RolloutCandidate, settings: DiagnoseSettings) -> dict:
+    samples = reference_samples(ctx, reference)
+    base, full, units = scan(ctx, precision, reference, samples, settings.progress)
+    return {"precision": precision, "reference": reference.spec(), "reference_k3": base, "full_k3": full,
+            "units": [asdict(u) for u in units], "_units": units}
+
+
+def _find_recipe(ctx: DiagnoseContext, candidate: RolloutCandidate, scanned: dict, budget: Budget,
+                 settings: DiagnoseSettings, log) -> dict:
+    """Propose, verify by sampling, and promote more units until the recipe is admitted (bounded rounds)."""
+    attempts = []
+    for extra in range(settings.recipe_rounds):
+        recipe = propose_recipe(candidate.precision, scanned["reference_k3"], scanned["full_k3"], scanned["_units"],
+                                0.8 * budget.k3, settings.promote_to, skip=extra)
+        if recipe is None:
+            break
+        trial = candidate.with_overrides(recipe.overrides)
+        result = measure_candidate(ctx, trial)
+        ok = admitted(result.metrics["k3"], budget)
+        attempts.append({"spec": trial.spec(), "promoted": list(recipe.promoted), "predicted_k3": recipe.predicted_k3,
+                         "measured_k3": result.metrics["k3"], "extra_bytes": recipe.extra_bytes, "admitted": ok})
+        log(f"recipe {trial.spec()}: k3 {result.metrics['k3']:.3g} ({'admitted' if ok else 'rejected'})")
+        if ok:
+            break
+    found = next((a for a in attempts if a["admitted"]), None)
+    return {"candidate": candidate.spec(), "recipe": found, "attempts": attempts}
+
+
+def _report(cfg, settings, ctx, floor_result, results, verdicts, budget, scans, recipes) -> dict:
+    return {
+        "model": cfg.model.path, "weights": str(settings.weights) if settings.weights else None,
+        "task": {"kind": cfg.task.kind, "name": cfg.task.name, "options": cfg.task.resolved_options()},
+        "prompts": len(ctx.prompts), "group_size": ctx.group_size, "sampling": asdict(ctx.sampling),
+        "floor": floor_result.row(), "budget": asdict(budget),
+        "candidates": [r.row() | {"admitted": ok, "by_position": r.by_position} for r, ok in zip(results, verdicts)],
+        "all_admitted": all(verdicts),
+        "sensitivity": {p: {k: v for k, v in s.items() if not k.startswith("_")} for p, s in scans.items()},
+        "recipes": recipes,
+    }
+
+
+COLUMNS = ("candidate", "weights", "k1", "k3", "chi2", "ess", "seq_ess", "abs_logprob_diff_p50", "abs_logprob_diff_p90",
+           "abs_logprob_diff_p99", "abs_logprob_diff_max", "frac_ratio_outside_0.5_2", "prob_corr", "tokens",
+           "mean_response_tokens", "tokens_per_s")
+
+
+def _write(out: Path, report: dict, floor_result: CandidateResult, results: list[CandidateResult], verdicts, scans) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "diagnose.json", report)
+    rows = [floor_result.row() | {"admitted": ""}] + [r.row() | {"admitted": ok} for r, ok in zip(results, verdicts)]
+    _write_csv(out / "diagnose.csv", rows, [*COLUMNS, "admitted"])
+    position_chart([floor_result, *results], out / "position.png")
+    for precision, s in scans.items():
+        _write_csv(out / f"sensitivity-{precision}.csv", s["units"], ["unit", "kind", "k3", "added_k3", "parameters"])
+        sensitivity_chart(s["_units"], precision, "f32", out / f"sensitivity-{precision}.png")
+
+
+def _write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(buffer.getvalue())
+    os.replace(tmp, path)
+
+
+def markdown_table(report: dict) -> str:
+    """The verdict table as markdown (what the command prints)."""
+    b = report["budget"]
+    lines = [f"budget: {b['rule']} (noise floor k3 {b['floor_k3']:.3g})", "",
+             "| candidate | weights | k3 | k1 | chi2 | ESS | seq ESS | p99 abs dlogp | max abs dlogp | outside [0.5,2] | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [report["floor"] | {"admitted": None}] + report["candidates"]
+    for r in rows:
+        verdict = "floor" if r["admitted"] is None else ("admitted" if r["admitted"] else "REJECTED")
+        lines.append(f"| {r['candidate']} | {r['weights']} | {r['k3']:.3g} | {r['k1']:.3g} | {r['chi2']:.3g} | "
+                     f"{r['ess']:.4f} | {r['seq_ess']:.3f} | {r['abs_logprob_diff_p99']:.3g} | "
+                     f"{r['abs_logprob_diff_max']:.3g} | {r['frac_ratio_outside_0.5_2']:.2%} | {verdict} |")
+    for rec in report["recipes"]:
+        found = rec["recipe"]
+        lines.append(f"\nproposed for {rec['candidate']}: " + (f"{found['spec']} (k3 {found['measured_k3']:.3g}, "
+                     f"+{found['extra_bytes'] / 1e6:.1f} MB)" if found else "no recipe within the budget"))
+    return "\n".join(lines)
