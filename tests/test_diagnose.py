@@ -1,0 +1,142 @@
+"""`nearpolicy diagnose` on the tiny model: the f32 engine is admitted with KL near zero, an engine with perturbed
+weights is rejected, the sensitivity scan ranks a damaged block first, the budget and recipe math, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nearpolicy.config import load_config
+from nearpolicy.diagnosis import measure
+from nearpolicy.diagnosis.admission import admitted, bits_per_weight, make_budget, propose_recipe
+from nearpolicy.diagnosis.candidates import parse_candidate
+from nearpolicy.diagnosis.run import DiagnoseSettings, run_diagnosis
+from nearpolicy.diagnosis.sensitivity import UnitSensitivity
+
+
+def _cfg(model_dir: Path, *extra: str):
+    return load_config(None, [f"model.path='{model_dir}'", "sampling.max_new_tokens=8", "logging.progress=false",
+                              "task.train_size=50", "task.eval_size=4", *extra])
+
+
+def test_f32_admitted_near_zero_and_perturbed_engine_rejected(tiny_model_dir, tmp_path, monkeypatch):
+    real = measure.engine_state_dict
+
+    def perturbed(ctx, candidate):  # the "f16" candidate gets weights with 5% relative noise
+        state = real(ctx, candidate)
+        if candidate.precision != "f16":
+            return state
+        g = torch.Generator().manual_seed(1)
+        return {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) if v.ndim >= 2 else v for k, v in state.items()}
+
+    monkeypatch.setattr(measure, "engine_state_dict", perturbed)
+    settings = DiagnoseSettings(candidates=["llamacpp:f32,kv_cache=f32", "llamacpp:f16"], prompts=3, group_size=2,
+                                out=tmp_path / "diag", progress=False)
+    report, code = run_diagnosis(_cfg(tiny_model_dir), settings, log=lambda msg: None)
+    f32, noisy = report["candidates"]
+    assert f32["k3"] < 1e-9 and f32["abs_logprob_diff_max"] < 5e-5 and f32["ess"] > 0.999999 and f32["admitted"]
+    assert report["budget"]["k3"] == pytest.approx(math.log(2) / 16)  # default rule at 8 new tokens
+    assert noisy["k3"] > report["budget"]["k3"] and not noisy["admitted"]
+    assert code == 1 and not report["all_admitted"]
+    assert report["floor"]["k3"] < 1e-9
+    rows = (tmp_path / "diag" / "diagnose.csv").read_text().splitlines()
+    assert len(rows) == 4 and rows[0].startswith("candidate,weights,k1,k3") and rows[3].endswith("False")
+    assert (tmp_path / "diag" / "position.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "diag" / "diagnose.json").read_text())["candidates"][0]["admitted"] is True
+
+
+@pytest.fixture(scope="module")
+def damaged_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a damaged block 1: one outlier (20, against weights of std 0.02) per 32-weight block of
+    its q/k/v/gate/up projections, in input dimensions that its RMSNorm weights zero. The trainer's function
+    ignores the outliers, but q8_0's per-block scale then rounds every other weight of the block to 0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        layer.input_layernorm.weight[::32] = 0.0
+        layer.post_attention_layernorm.weight[::32] = 0.0
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+                     layer.mlp.up_proj):
+            proj.weight[:, ::32] = 20.0
+    folder = tmp_path_factory.mktemp("damaged")
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(folder)
+    return folder
+
+
+def test_sensitivity_scan_ranks_the_damaged_block_first(damaged_model_dir, tmp_path):
+    settings = DiagnoseSettings(candidates=["llamacpp:f32"], prompts=2, group_size=2, out=tmp_path / "scan",
+                                sensitivity=["q8_0"], progress=False)
+    report, _ = run_diagnosis(_cfg(damaged_model_dir), settings, log=lambda msg: None)
+    units = report["sensitivity"]["q8_0"]["units"]
+    assert units[0]["unit"] == "blk.1"  # first of all units, tensor kinds included
+    blocks = [u for u in units if u["kind"] == "block"]
+    assert [u["unit"] for u in blocks] == ["blk.1", "blk.0"]
+    assert blocks[0]["added_k3"] > 10 * max(blocks[1]["added_k3"], 1e-9)
+    assert {u["unit"] for u in units} == {"embeddings", "attention", "mlp", "blk.0", "blk.1"}  # output tied
+    assert (tmp_path / "scan" / "sensitivity-q8_0.png").read_bytes()[:4] == b"\x89PNG"
+    csv_rows = (tmp_path / "scan" / "sensitivity-q8_0.csv").read_text().splitlines()
+    assert csv_rows[0] == "unit,kind,k3,added_k3,parameters" and len(csv_rows) == 6
+
+
+def test_default_budget_rule_and_alternatives():
+    b = make_budget(1e-6, 64)
+    assert b.k3 == pytest.approx(math.log(2) / 128)
+    assert math.exp(-2 * 64 * b.k3) == pytest.approx(0.5)  # the sequence-ESS model the rule inverts
+    assert make_budget(1e-6, 64, absolute=1e-3).k3 == 1e-3
+    assert make_budget(2e-6, 64, floor_multiple=10).k3 == pytest.approx(2e-5)
+    assert admitted(1e-3, make_budget(0, 1, absolute=1e-3)) and not admitted(float("nan"), b)
+    for kwargs in ({"absolute": 1e-3, "floor_multiple": 10}, {"absolute": 0.0}, {"floor_multiple": 0.5},
+                   {"seq_ess_min": 1.0}):
+        with pytest.raises(ValueError):
+            make_budget(1e-6, 64, **kwargs)
+
+
+def test_recipe_promotes_by_k3_per_byte_until_the_prediction_fits():
+    assert bits_per_weight("q4_1") == 5.0 and bits_per_weight("q8_0") == 8.5 and bits_per_weight("f16") == 16.0
+    units = [UnitSensitivity("blk.0", "block", 0, 0.006, 100), UnitSensitivity("blk.1", "block", 0, 0.003, 100),
+             UnitSensitivity("embeddings", "tensor kind", 0, 0.001, 1000),
+             UnitSensitivity("mlp", "tensor kind", 0, 0.009, 150)]  # a kind: never promoted (overlaps blocks)
+    # excess 0.01 attributed 6 : 3 : 1; target 0.005 -> promote blk.0 (predicted 0.01 - 0.006 = 0.004)
+    r = propose_recipe("q4_1", 0.0, 0.01, units, 0.005)
+    assert r.promoted == ("blk.0",) and r.predicted_k3 == pytest.approx(0.004)
+    assert r.extra_bytes == pytest.approx(100 * 11 / 8) and r.overrides == (("blk.0", "f16"),)
+    r2 = propose_recipe("q4_1", 0.0, 0.01, units, 0.005, skip=1)
+    assert r2.promoted == ("blk.0", "blk.1") and r2.predicted_k3 == pytest.approx(0.001)
+    everything = propose_recipe("q4_1", 0.0, 0.01, units, 1e-12)
+    assert everything.predicted_k3 == pytest.approx(0.0, abs=1e-15) and len(everything.promoted) == 3
+    assert propose_recipe("q4_1", 0.002, 0.01, units, 0.001) is None  # below the reference: unreachable
+
+
+def test_candidate_strings_round_trip_and_errors():
+    c = parse_candidate("llamacpp:q4_1,blk.0-2=f16,kv_cache=f32,temperature=0.7,round_weights=q4_1")
+    assert c.tensor_precision == (("blk.0-2", "f16"),) and c.kv_cache == "f32" and c.round_weights == "q4_1"
+    assert parse_candidate(c.spec()) == c and c.sampling == {"temperature": 0.7}
+    assert c.weights_description() == "q4_1 (blk.0-2=f16)"
+    for bad, words in [("vllm:f16", "llamacpp:<precision>"), ("llamacpp:q2_k", "unknown llamacpp precision"),
+                       ("llamacpp:q4_1,blk.x=f16", "selector"), ("hf:bf16,blk.0=f16", "cannot use option"),
+                       ("llamacpp:f16,top_p=2", "top_p"), ("llamacpp:f16,top_k=two", "top_k must be a int")]:
+        with pytest.raises(ValueError, match=words):
+            parse_candidate(bad)
+
+
+@pytest.mark.slow
+def test_cli_exit_codes_and_outputs(tiny_model_dir, tmp_path):
+    base = [sys.executable, "-m", "nearpolicy", "diagnose", "--set", f"model.path='{tiny_model_dir}'", "--set",
+            "sampling.max_new_tokens=6", "--set", "logging.progress=false", "--prompts", "2", "--group", "2"]
+    bad = subprocess.run(base + ["--candidates", "llamacpp:q9"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown llamacpp precision 'q9'" in bad.stderr
+    ok = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--candidates", "hf:fp32", "--budget-k3", "1e-6"],
+                        capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "every candidate admitted" in ok.stderr and "| hf:fp32 | fp32 |" in ok.stderr
+    report = json.loads((tmp_path / "ok" / "diagnose.json").read_text())
+    assert report["budget"]["rule"].startswith("absolute") and report["candidates"][0]["k3"] < 1e-9
