@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 RUN ?= runs/grpo-smollm2-chain-sum
 
-.PHONY: setup train test bench report
+.PHONY: setup train test bench report diagnose
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -30,3 +30,7 @@ report: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py
+
+# docs/results.md section 3: the diagnose table, admission verdicts and q4_1 sensitivity of SmolLM2-135M-Instruct
+diagnose: $(STAMP)
+	$(VENV)/bin/nearpolicy diagnose configs/main.toml --out docs/diagnose/smollm2 --sensitivity q4_1 --propose $(ARGS)

@@ -99,7 +99,7 @@ def _diagnose(args: argparse.Namespace) -> int:
         candidates=args.candidates or DiagnoseSettings().candidates, prompts=args.prompts, group_size=args.group,
         out=args.out, weights=args.weights, budget_k3=args.budget_k3, budget_floor_multiple=args.budget_floor_multiple,
         budget_seq_ess=args.budget_seq_ess, sensitivity=args.sensitivity or [], propose=args.propose,
-        promote_to=args.promote_to, progress=cfg.logging.progress)
+        promote_to=args.promote_to, sensitivity_prompts=args.sensitivity_prompts, progress=cfg.logging.progress)
     try:
         report, code = run_diagnosis(cfg, settings, log=lambda msg: print(msg, file=sys.stderr))
     except (ValueError, OSError, EngineError) as err:
@@ -133,6 +133,8 @@ def _add_diagnose(sub) -> None:
                    help="default budget: sequence ESS >= this at sampling.max_new_tokens tokens (default 0.5)")
     d.add_argument("--sensitivity", nargs="+", metavar="PRECISION", choices=PRECISIONS,
                    help="per-layer sensitivity scan at these GGUF precisions (bar chart PNG)")
+    d.add_argument("--sensitivity-prompts", type=int, default=8,
+                   help="prompts (x --group samples) the sensitivity scan scores by teacher forcing (default 8)")
     d.add_argument("--propose", action="store_true",
                    help="for each rejected llamacpp candidate, search the cheapest mixed-precision recipe that passes")
     d.add_argument("--promote-to", default="f16", choices=PRECISIONS, help="precision of promoted units (default f16)")

@@ -7,7 +7,7 @@ import csv
 import io
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -36,6 +36,7 @@ class DiagnoseSettings:
     budget_floor_multiple: float | None = None
     budget_seq_ess: float = 0.5
     sensitivity: list[str] = field(default_factory=list)  # precisions to scan
+    sensitivity_prompts: int = 8  # the scan is paired (teacher-forced), so fewer prompts suffice
     propose: bool = False
     promote_to: str = "f16"
     recipe_rounds: int = 4
@@ -124,9 +125,11 @@ def load_model_weights(checkpoint: Path, model) -> None:
 
 
 def _scan(ctx: DiagnoseContext, precision: str, reference: RolloutCandidate, settings: DiagnoseSettings) -> dict:
+    ctx = replace(ctx, prompts=ctx.prompts[: settings.sensitivity_prompts])
     samples = reference_samples(ctx, reference)
     base, full, units = scan(ctx, precision, reference, samples, settings.progress)
-    return {"precision": precision, "reference": reference.spec(), "reference_k3": base, "full_k3": full,
+    return {"precision": precision, "reference": reference.spec(), "sequences": len(samples.prompts),
+            "reference_k3": base, "full_k3": full,
             "units": [asdict(u) for u in units], "_units": units}
 
 
