@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "interrupted"]
 
 
 @dataclass(frozen=True)
@@ -40,17 +40,24 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt to be sampled `n` times (a GRPO group). `prompt_ids` are token ids, already templated."""
+    """One prompt to be sampled `n` times (a GRPO group). `prompt_ids` are token ids, already templated.
+    `max_new_tokens` (optional) lowers the sampling's limit for this request (a partial rollout's remainder)."""
 
     group_id: int
     prompt_ids: tuple[int, ...]
     n: int = 1
+    max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
             raise ValueError(f"group {self.group_id}: empty prompt")
         if self.n < 1:
             raise ValueError(f"group {self.group_id}: n must be >= 1, got {self.n}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"group {self.group_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def token_limit(self, sampling_limit: int) -> int:
+        return min(sampling_limit, self.max_new_tokens or sampling_limit)
 
 
 @dataclass

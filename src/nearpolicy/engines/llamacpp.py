@@ -9,6 +9,7 @@ cache of the old weights survives (invariant 9)."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,18 +174,24 @@ class LlamaCppEngine:
         return rows[[row_of[id(s.request)] for s in seqs]]
 
     # -- public API ------------------------------------------------------------------------------
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int) -> list[Rollout]:
-        """Sample `n` completions per request. Rollouts come back ordered by (request, sample index)."""
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int,
+                 interrupt: Callable[[], bool] | None = None) -> list[Rollout]:
+        """Sample `n` completions per request. Rollouts come back ordered by (request, sample index).
+        `interrupt` is polled before every decode step; once it returns True, every unfinished sequence (and
+        every wave not started) comes back as it is, with finish_reason "interrupted"."""
         rng = np.random.default_rng(seed)
         out: list[Rollout] = []
         for wave in self._waves(requests):
             seqs = [_Seq(r, k, 0) for r in wave for k in range(r.n)]
             for slot, s in enumerate(seqs):
                 s.seq_id = slot
-                self._check_prompt(s.request.prompt_ids, sampling.max_new_tokens)
-            self._reset()
-            logits = self._prefill(seqs)
+                self._check_prompt(s.request.prompt_ids, s.request.token_limit(sampling.max_new_tokens))
             active = seqs
+            if not (interrupt and interrupt()):
+                self._reset()
+                logits = self._prefill(seqs)
+            else:
+                active = []
             while active:
                 ids, lps = sample_rows(logits, sampling, rng)
                 for s, tok, lp in zip(active, ids.tolist(), lps.tolist()):
@@ -192,11 +199,15 @@ class LlamaCppEngine:
                     s.logprobs.append(lp)
                     if _lib_is_eog(self._vocab, tok):
                         s.finish = "stop"
-                    elif len(s.ids) >= sampling.max_new_tokens:
+                    elif len(s.ids) >= s.request.token_limit(sampling.max_new_tokens):
                         s.finish = "length"
                 active = [s for s in active if s.finish is None]
+                if active and interrupt and interrupt():
+                    break
                 if active:
                     logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
+            for s in seqs:
+                s.finish = s.finish or "interrupted"
             out += [self._to_rollout(s) for s in seqs]
         return out
 
