@@ -63,7 +63,11 @@ def export_engine_gguf(model: torch.nn.Module, folder: Path, precision: str, tem
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"policy-{precision}.gguf"
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    export_gguf(state, model.config, path, precision, template, tokenizer=tokenizer)
+    try:
+        export_gguf(state, model.config, path, precision, template, tokenizer=tokenizer)
+    except OSError as err:  # export_gguf writes atomically: the file the engine holds is untouched
+        kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not created"
+        raise OSError(err.errno, f"could not write the engine GGUF {path} ({err.strerror or err}); {kept}") from err
     return path
 
 
