@@ -65,6 +65,7 @@ class Trainer:
         check_task_prompts(self.s.task, self.s.prompt_ids, cfg.model.max_context, cfg.sampling.max_new_tokens)
         self.state = TrainState()
         self.guard = BadStepGuard(cfg.run.max_bad_steps)
+        self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
         if resume:
             _check_same_config(self.run_dir / "config.json", cfg)
             self._resume()
@@ -203,14 +204,17 @@ class Trainer:
         st = self.state
         state = {"data_position": st.data_position, "version": st.version, "scorer_errors": st.scorer_errors,
                  "engine_precision": self.cfg.engine.precision, **self.guard.state()}
-        return save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state, self.cfg.logging.keep_checkpoints)
+        self.saved = save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state,
+                                     self.cfg.logging.keep_checkpoints)
+        return self.saved
 
     def _checkpoint_on_stop(self) -> Path | None:
         """The checkpoint of the last completed step (written now unless it already exists); None at step 0."""
         if self.state.step == 0:
             return None
-        saved = [p for p in list_checkpoints(self.run_dir) if p.name == f"step_{self.state.step:06d}"]
-        return saved[0] if saved else self.checkpoint()
+        if self.saved is not None and self.saved.name == f"step_{self.state.step:06d}":
+            return self.saved
+        return self.checkpoint()
 
     def _resume(self) -> None:
         """Continue from the newest loadable checkpoint (a damaged one is reported and skipped); with none,
@@ -224,6 +228,7 @@ class Trainer:
             self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
                                     scorer_errors=saved.get("scorer_errors", 0))
             self.guard.restore(saved)
+            self.saved = path
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
             self.s.sync_engine(self.state.version)
             self.log(f"resumed from {path} at step {self.state.step}")
