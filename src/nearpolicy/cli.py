@@ -27,12 +27,18 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     from nearpolicy.engines.base import EngineError
     from nearpolicy.runs import list_checkpoints
+    from nearpolicy.signals import GracefulStop, StopRequested
 
     try:
-        run_dir = trainer.fit()
+        with GracefulStop() as stop:
+            run_dir = trainer.fit(stop)
+    except StopRequested as stopped:
+        print(f"{stopped}", file=sys.stderr)
+        return stopped.exit_code
     except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
         saved = list_checkpoints(trainer.run_dir)
-        where = f"last checkpoint {saved[-1]} (continue with --resume)" if saved else "no checkpoint was written yet"
+        where = (f"the last checkpoint {saved[-1]} is intact (continue with --resume)" if saved
+                 else "no checkpoint was written yet")
         reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
         print(f"{reason} at step {trainer.state.step}; {where}", file=sys.stderr)
         return 130 if isinstance(err, KeyboardInterrupt) else 1

@@ -32,6 +32,9 @@ class RunConfig(Section):
         return value
     threads: int = Field(2, ge=1)
     """CPU threads for torch and llama.cpp."""
+    max_bad_steps: int = Field(3, ge=1)
+    """Stop the run after this many consecutive steps whose loss or gradient was NaN / inf (each is skipped and
+    counted in guard/bad_steps)."""
 
 
 class ModelConfig(Section):

@@ -87,12 +87,23 @@ def load_policy(spec: str) -> tuple[Any, Any]:
 
     A GGUF is dequantized to float32 (llama.cpp's q/k permutation undone) and rebuilt as a plain model, because
     transformers marks a GGUF-loaded model as quantized and refuses `save_pretrained` on it.
-    Raises what `resolve_model` raises.
+    Raises what `resolve_model` raises, and ValueError naming `model.path` when the weights cannot be loaded
+    (a truncated or corrupt safetensors file, a missing weights file).
     """
+    from safetensors import SafetensorError
+
+    resolved = resolve_model(spec)
+    try:
+        return _load(resolved)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # a damaged, truncated or incomplete model
+        raise ValueError(f"model.path {spec!r}: cannot load the model from {resolved.path} "
+                         f"({type(err).__name__}: {err})") from err
+
+
+def _load(resolved: ResolvedModel) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    resolved = resolve_model(spec)
     if resolved.kind == "gguf":
         folder, name = str(resolved.path.parent), resolved.path.name
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

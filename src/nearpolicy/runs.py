@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 CHECKPOINT_PREFIX = "step_"
@@ -57,35 +58,72 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class CheckpointError(OSError):
+    """A checkpoint could not be written (disk full, permissions); the previous checkpoint is untouched."""
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict, keep: int) -> Path:
-    """Write checkpoints/step_XXXXXX atomically; returns its path. Refuses non-finite weights."""
+    """Write checkpoints/step_XXXXXX atomically (temporary folder, fsync, rename); returns its path, keeps the newest
+    `keep`. Raises FloatingPointError for non-finite weights (nothing written) and CheckpointError when the write
+    fails (the temporary folder is removed; the message names the previous checkpoint, which is intact)."""
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
-        raise FloatingPointError(f"refusing to checkpoint non-finite weights: {bad[:3]}")
+        raise FloatingPointError(f"refusing to checkpoint non-finite weights at step {step}: {bad[:3]}")
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CHECKPOINT_PREFIX}{step:06d}"
     tmp = root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    _tie_safe_save(weights, tmp / "model.safetensors")
+    try:
+        _remove_leftovers(root)
+        tmp.mkdir()
+        _write_checkpoint_files(tmp, weights, optimizer, {**state, "step": step})
+        if final.exists():
+            _discard(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = [p for p in list_checkpoints(run_dir) if p != final]
+        intact = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        reason = getattr(err, "strerror", None) or str(err)
+        error = CheckpointError(f"could not write checkpoint {final} ({reason}); {intact}")
+        error.errno = getattr(err, "errno", None)
+        raise error from err
+    for old in list_checkpoints(run_dir)[:-keep]:
+        _discard(old)
+    return final
+
+
+def _write_checkpoint_files(folder: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                            state: dict) -> None:
+    """model / optimizer / RNG safetensors and trainer_state.json in `folder`, each file and the folder fsynced."""
+    _tie_safe_save(weights, folder / "model.safetensors")
     opt_tensors, opt_meta = _flatten_optimizer(optimizer)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-    write_json(tmp / "trainer_state.json", {**state, "step": step, "optimizer": opt_meta})
-    for f in tmp.iterdir():
+    save_file(opt_tensors, str(folder / "optimizer.safetensors"))
+    save_file({"torch_rng": torch.get_rng_state()}, str(folder / "rng.safetensors"))
+    write_json(folder / "trainer_state.json", {**state, "optimizer": opt_meta})
+    for f in folder.iterdir():
         with f.open("rb") as handle:
             os.fsync(handle.fileno())
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    _fsync_dir(folder)
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint folder: renamed out of the step_ namespace first, so a kill mid-delete never leaves a
+    half-deleted folder that looks like a checkpoint."""
+    trash = path.with_name(f".{path.name}.deleting")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Temporary / half-deleted folders left by a killed run."""
+    for p in root.iterdir():
+        if p.name.startswith(".") and p.name.endswith((".tmp", ".deleting")) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

@@ -64,8 +64,12 @@ def export_engine_gguf(model: torch.nn.Module, folder: Path, engine: EngineConfi
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"policy-{engine.precision}.gguf"
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    export_gguf(state, model.config, path, engine.precision, template, tokenizer=tokenizer,
-                tensor_precision=tuple(engine.tensor_precision.items()))
+    try:
+        export_gguf(state, model.config, path, engine.precision, template, tokenizer=tokenizer,
+                    tensor_precision=tuple(engine.tensor_precision.items()))
+    except OSError as err:  # export_gguf writes atomically: the file the engine holds is untouched
+        kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not created"
+        raise OSError(err.errno, f"could not write the engine GGUF {path} ({err.strerror or err}); {kept}") from err
     return path
 
 

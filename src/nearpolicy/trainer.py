@@ -14,6 +14,7 @@ import torch
 
 from nearpolicy.batching import collate
 from nearpolicy.config import Config
+from nearpolicy.guards import BadStepGuard, check_finite_weights, check_task_prompts
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.distill import opd_advantages
@@ -21,6 +22,7 @@ from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
 from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save_checkpoint, write_json
 from nearpolicy.setup import Session, build_session
+from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
 from nearpolicy.tasks.base import safe_score
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
@@ -60,7 +62,10 @@ class Trainer:
         self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
                                        cfg.sampling.max_new_tokens)
         self.settings = _update_settings(cfg)
+        check_task_prompts(self.s.task, self.s.prompt_ids, cfg.model.max_context, cfg.sampling.max_new_tokens)
         self.state = TrainState()
+        self.guard = BadStepGuard(cfg.run.max_bad_steps)
+        self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
         if resume:
             _check_same_config(self.run_dir / "config.json", cfg)
             self._resume()
@@ -97,6 +102,7 @@ class Trainer:
         return total.float(), {"distill/teacher_kl": float(metrics["teacher_kl"])}
 
     def sync(self) -> None:
+        check_finite_weights(self.s.model, self.state.step + 1)  # never export (or later save) NaN / inf weights
         self.state.version += 1
         self.s.sync_engine(self.state.version)
 
@@ -159,7 +165,9 @@ class Trainer:
         return out
 
     # -- loop ------------------------------------------------------------------------------------
-    def fit(self) -> Path:
+    def fit(self, stop=None) -> Path:
+        """Run to cfg.run.steps. `stop` (signals.GracefulStop) ends the run after the step in progress, checkpointing
+        it, with StopRequested. Raises NonFiniteError after run.max_bad_steps consecutive non-finite steps."""
         cfg = self.cfg
         from tqdm import tqdm
 
@@ -170,10 +178,13 @@ class Trainer:
             self.metrics.write(0, first)
             self.log(f"step 0 eval accuracy {first['eval/accuracy']:.3f}")
         while self.state.step < cfg.run.steps:
+            if stop is not None and stop.signum is not None:
+                raise StopRequested(stop.signum, self.state.step, self._checkpoint_on_stop())
             t0 = time.perf_counter()
             metrics = self.train_step()
             self.state.step += 1
             step = self.state.step
+            metrics |= self.guard.observe(step, metrics, self.log)
             if step % cfg.logging.eval_every == 0 or step == cfg.run.steps:
                 t1 = time.perf_counter()
                 metrics |= self.evaluate()
@@ -182,6 +193,7 @@ class Trainer:
             self.metrics.write(step, metrics)
             if step % cfg.logging.checkpoint_every == 0 or step == cfg.run.steps:
                 self.checkpoint()
+            self.guard.check(step)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics['mismatch/k3']:.1e}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
@@ -192,8 +204,18 @@ class Trainer:
     def checkpoint(self) -> Path:
         st = self.state
         state = {"data_position": st.data_position, "version": st.version, "scorer_errors": st.scorer_errors,
-                 "engine_precision": self.cfg.engine.precision}
-        return save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state, self.cfg.logging.keep_checkpoints)
+                 "engine_precision": self.cfg.engine.precision, **self.guard.state()}
+        self.saved = save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state,
+                                     self.cfg.logging.keep_checkpoints)
+        return self.saved
+
+    def _checkpoint_on_stop(self) -> Path | None:
+        """The checkpoint of the last completed step (written now unless it already exists); None at step 0."""
+        if self.state.step == 0:
+            return None
+        if self.saved is not None and self.saved.name == f"step_{self.state.step:06d}":
+            return self.saved
+        return self.checkpoint()
 
     def _resume(self) -> None:
         """Continue from the newest loadable checkpoint (a damaged one is reported and skipped); with none,
@@ -206,6 +228,8 @@ class Trainer:
                 continue
             self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
                                     scorer_errors=saved.get("scorer_errors", 0))
+            self.guard.restore(saved)
+            self.saved = path
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
             self.s.sync_engine(self.state.version)
             self.log(f"resumed from {path} at step {self.state.step}")

@@ -59,8 +59,12 @@ def math_equal(reference: str, response: str) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=_timeout()) else 0.0
 
 
-def _read_line(raw: str) -> dict | str:
+def _read_line(data: bytes) -> dict | str:
     """The item on one line, or a string saying what is wrong with it."""
+    try:
+        raw = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 (byte {exc.object[exc.start]:#04x} at column {exc.start + 1})"
     try:
         item = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -121,11 +125,11 @@ class JsonlTask:
     def _load(self, skip_bad_lines: bool) -> list[Problem]:
         problems: list[Problem] = []
         errors: list[str] = []
-        with self.path.open(encoding="utf-8") as handle:
-            for lineno, raw in enumerate(handle, start=1):
-                if not raw.strip():
+        with self.path.open("rb") as handle:  # decoded per line, so bad UTF-8 is reported with its line number
+            for lineno, data in enumerate(handle, start=1):
+                if not data.strip():
                     continue
-                item = _read_line(raw)
+                item = _read_line(data)
                 if isinstance(item, str):
                     self.skipped_lines.append(lineno)
                     errors.append(f"line {lineno}: {item}")

@@ -1,0 +1,50 @@
+"""Graceful stop on SIGINT / SIGTERM: the first signal asks the run to stop after the step in progress (which then
+writes a checkpoint of that completed step); a second one aborts at once (KeyboardInterrupt), keeping the last
+checkpoint already on disk."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested(Exception):
+    """The run stopped on a signal after a completed step; `checkpoint` is where it was saved (None at step 0)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        where = f"checkpoint {checkpoint} (continue with --resume)" if checkpoint else "no step completed, nothing saved"
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {where}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class GracefulStop:
+    """Context manager installing the handlers (main thread only; elsewhere it does nothing).
+
+    `signum` is the first signal received, or None."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting the step in progress")
+        self.signum = signum

@@ -1,0 +1,277 @@
+"""Faults provoked for real inside a training run on the tiny model (in process: the Trainer, or the CLI's `main`):
+a hostile engine (empty completions, out-of-vocabulary ids, a crash), a raising reward, NaN losses and weights,
+a full disk during the engine GGUF export, a SIGINT mid-step, prompts too long for the context, damaged model
+files (docs/reliability.md lists each fault and its test)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from nearpolicy.config import Config, load_config
+from nearpolicy.guards import NonFiniteError, step_fault
+from nearpolicy.runs import list_checkpoints
+
+
+# ---------------------------------------------------------------- the trainer under hostile engines, rewards, NaNs
+def _cfg(model_path, out: Path, *extra: str) -> Config:
+    return load_config(None, [f"model.path='{model_path}'", f"run.output_dir='{out}'", "run.name=t", "run.steps=2",
+                              "run.threads=1", "algorithm.prompts_per_step=2", "algorithm.group_size=2",
+                              "algorithm.micro_batch_size=2", "sampling.max_new_tokens=6", "task.eval_size=4",
+                              "task.train_size=50", "logging.eval_every=100", "logging.checkpoint_every=1",
+                              "logging.tensorboard=false", "logging.progress=false", "model.max_context=256",
+                              "engine.kind=hf", *extra])
+
+
+def _trainer(tiny_model_dir, tmp_path, *extra: str):
+    from nearpolicy.trainer import Trainer
+
+    logs: list[str] = []
+    return Trainer(_cfg(tiny_model_dir, tmp_path, *extra), log=logs.append), logs
+
+
+class _Rewriting:
+    """The real engine, with each sampled rollout passed through `rewrite` (a hostile engine)."""
+
+    def __init__(self, engine, rewrite):
+        self.engine, self.rewrite = engine, rewrite
+
+    def generate(self, requests, sampling, seed):
+        return [self.rewrite(r) for r in self.engine.generate(requests, sampling, seed)]
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.s.model.state_dict().items()}
+
+
+def test_engine_returning_empty_completions_gives_a_zero_update(tiny_model_dir, tmp_path):
+    from nearpolicy.types import Rollout
+
+    trainer, _ = _trainer(tiny_model_dir, tmp_path)
+    trainer.s.engine = _Rewriting(trainer.s.engine, lambda r: Rollout(r.group_id, r.sample_index, r.prompt_ids,
+                                                                       [], [], [], "length"))
+    before = _weights(trainer)
+    metrics = trainer.train_step()
+    assert metrics["response/length_mean"] == 0.0 and metrics["reward/mean"] == 0.0
+    assert metrics["actor/loss"] == 0.0 and metrics["actor/grad_norm"] == 0.0
+    assert step_fault(metrics) is None
+    after = _weights(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing to learn from, nothing learnt
+
+
+def test_engine_token_id_outside_the_vocabulary_is_named(tiny_model_dir, tmp_path):
+    from dataclasses import replace
+
+    trainer, _ = _trainer(tiny_model_dir, tmp_path)
+    trainer.s.engine = _Rewriting(trainer.s.engine, lambda r: replace(r, completion_ids=[49157] * len(r.completion_ids)))
+    with pytest.raises(ValueError, match=r"token ids \[49157, 49157.*outside the vocabulary \[0, 49152\)"):
+        trainer.train_step()
+    assert trainer.state.data_position == 0  # the step was not counted
+
+
+def test_raising_reward_scores_zero_and_is_counted(tiny_model_dir, tmp_path, monkeypatch):
+    trainer, _ = _trainer(tiny_model_dir, tmp_path)
+    calls = []
+
+    def flaky(response, problem):
+        calls.append(response)
+        if len(calls) % 2:
+            raise RuntimeError("checker crashed")
+        return 1.0
+
+    monkeypatch.setattr(trainer.s.task, "score", flaky)
+    first = trainer.train_step()
+    assert len(calls) == 4 and first["reward/scorer_errors"] == 2.0 and first["reward/mean"] == 0.5
+    assert trainer.train_step()["reward/scorer_errors"] == 4.0  # cumulative
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    """NaN advantages (a NaN loss and gradient) at steps 1, 3 and 4, +-1 at step 2; run.max_bad_steps = 2 stops the
+    run at step 4."""
+    from dataclasses import replace
+
+    from nearpolicy import trainer as trainer_module
+
+    trainer, logs = _trainer(tiny_model_dir, tmp_path, "run.steps=6", "run.max_bad_steps=2")
+    real, calls, snapshots = trainer_module.compute_advantages, [], []
+
+    def poisoned(*args):
+        calls.append(1)
+        snapshots.append(_weights(trainer))
+        adv = real(*args)
+        signs = torch.tensor([1.0, -1.0]).repeat(len(adv.advantages) // 2)  # random-model rewards are all 0
+        return replace(adv, advantages=signs * (float("nan") if len(calls) in (1, 3, 4) else 1.0))
+
+    monkeypatch.setattr(trainer_module, "compute_advantages", poisoned)
+    with pytest.raises(NonFiniteError, match=r"2 consecutive steps up to step 4 had a non-finite loss or gradient"):
+        trainer.fit()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["guard/bad_steps"] for r in rows[1:]] == [1.0, 1.0, 2.0, 3.0]
+    assert [r["guard/consecutive_bad_steps"] for r in rows[1:]] == [1.0, 0.0, 1.0, 2.0]
+    assert [r["actor/skipped_minibatches"] for r in rows[1:]] == [1.0, 0.0, 1.0, 1.0]
+    assert rows[1]["actor/loss"] is None  # NaN is written as null
+    assert "warning: step 1: 1 mini-batch(es) skipped: non-finite loss and gradient norm" in "\n".join(logs)
+    now = _weights(trainer)
+    assert all(torch.equal(snapshots[0][k], snapshots[1][k]) for k in now)  # bad step 1 left the weights alone
+    assert not all(torch.equal(snapshots[1][k], snapshots[2][k]) for k in now)  # good step 2 moved them
+    assert all(torch.equal(snapshots[2][k], now[k]) for k in now)  # bad steps 3 and 4 did not
+    assert json.loads((trainer.run_dir / "checkpoints" / "step_000004" / "trainer_state.json").read_text())[
+        "consecutive_bad_steps"] == 2
+
+
+def test_non_finite_weights_are_never_exported_or_saved(tiny_model_dir, tmp_path):
+    trainer, _ = _trainer(tiny_model_dir, tmp_path)
+    trainer.checkpoint()  # step 0
+    with torch.no_grad():
+        trainer.s.model.model.layers[0].mlp.up_proj.weight[0, 0] = float("inf")
+    version = trainer.s.engine.version
+    with pytest.raises(NonFiniteError, match=r"weights became non-finite at step 1 \(model.layers.0.mlp.up_proj.weight\)"):
+        trainer.train_step()
+    assert trainer.s.engine.version == version  # the engine never got them
+    with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite weights"):
+        trainer.checkpoint()
+    assert [p.name for p in list_checkpoints(trainer.run_dir)] == ["step_000000"]
+
+
+# ---------------------------------------------------------------- the real CLI, in process, with a fault injected
+def _cli(model_path, out: Path, capsys, *extra: str, resume: bool = False) -> tuple[int, str]:
+    from nearpolicy.cli import main
+
+    sets = [f"model.path='{model_path}'", f"run.output_dir='{out}'", "run.name=c", "run.steps=2", "run.threads=1",
+            "algorithm.prompts_per_step=2", "algorithm.group_size=2", "algorithm.micro_batch_size=2",
+            "sampling.max_new_tokens=6", "task.eval_size=4", "task.train_size=50", "logging.eval_every=100",
+            "logging.checkpoint_every=1", "logging.tensorboard=false", "logging.progress=false",
+            "model.max_context=256", *extra]
+    capsys.readouterr()
+    rc = main(["train", *[a for s in sets for a in ("--set", s)], *(["--resume"] if resume else [])])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_disk_full_during_the_engine_gguf_export_keeps_checkpoint_and_engine_file(tiny_gguf_factory, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """Exports: 1 at startup, 1 per step's sync. The third (step 2's sync) hits ENOSPC half-way."""
+    import gguf
+
+    from nearpolicy.models import resolve_model
+
+    model = tiny_gguf_factory("f32")  # exported before the writer is broken
+    real, calls = gguf.GGUFWriter.write_tensors_to_file, []
+
+    def filling(self, *, progress=False):
+        calls.append(1)
+        if len(calls) == 3:
+            self.fout[0].write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, progress=progress)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", filling)
+    rc, err = _cli(model, tmp_path, capsys, "engine.precision=q8_0")
+    run = tmp_path / "c"
+    assert rc == 1, err
+    assert (f"error: [Errno 28] could not write the engine GGUF {run}/engine/policy-q8_0.gguf (No space left on "
+            f"device); the previous policy-q8_0.gguf is unchanged at step 1; the last checkpoint "
+            f"{run}/checkpoints/step_000001 is intact (continue with --resume)") in err
+    assert sorted(p.name for p in (run / "engine").iterdir()) == ["policy-q8_0.gguf"]  # no temporary left
+    assert resolve_model(str(run / "engine" / "policy-q8_0.gguf")).kind == "gguf"  # complete, readable
+    state = json.loads((run / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
+    assert (state["step"], state["version"], state["engine_precision"]) == (1, 1, "q8_0")
+
+
+@pytest.mark.slow
+def test_engine_crash_stops_the_run_with_the_checkpoint_named(tiny_gguf_factory, tmp_path, capsys, monkeypatch):
+    from nearpolicy.engines.base import EngineError
+    from nearpolicy.engines.llamacpp import LlamaCppEngine
+
+    real, calls = LlamaCppEngine.generate, []
+
+    def crashing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise EngineError("llama_decode failed with code -3")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaCppEngine, "generate", crashing)
+    rc, err = _cli(tiny_gguf_factory("f32"), tmp_path, capsys)
+    assert rc == 1
+    assert (f"error: llama_decode failed with code -3 at step 1; the last checkpoint {tmp_path}/c/checkpoints/"
+            "step_000001 is intact (continue with --resume)") in err
+    rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_the_context_fails_at_startup(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": 2 * i} for i in range(6)]
+    rows[3]["prompt"] = "What is " + " + ".join(["1"] * 150) + "?"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, err = _cli(tiny_model_dir, tmp_path, capsys, "engine.kind=hf", "task.kind=jsonl", f"task.path='{data}'",
+                   "task.eval_size=2")
+    assert rc == 2
+    assert "error: 1 prompt(s) longer than model.max_context (256) minus sampling.max_new_tokens (6) = 250 tokens: " in err
+    assert "problem" in err and "raise model.max_context" in err
+    assert not (tmp_path / "c" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_resume_of_a_run_that_never_existed_says_it_starts_fresh(tiny_model_dir, tmp_path, capsys):
+    rc, err = _cli(tiny_model_dir, tmp_path, capsys, "engine.kind=hf", "run.steps=1", resume=True)
+    assert rc == 0
+    assert f"no loadable checkpoint in {tmp_path}/c: starting from step 0" in err
+    assert [p.name for p in list_checkpoints(tmp_path / "c")] == ["step_000001"]
+
+
+def test_damaged_or_missing_model_files_exit_2_naming_the_file(tiny_model_dir, tiny_gguf_factory, tmp_path, capsys):
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_model_dir, hf)
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a real truncation
+    gguf_file = tmp_path / "tiny.gguf"
+    gguf_file.write_bytes(tiny_gguf_factory("f32").read_bytes()[:200_000])
+    cases = [(hf, f"error: model.path '{hf}': cannot load the model from {hf} (SafetensorError: "),
+             (gguf_file, f"{gguf_file} is not a valid GGUF file (bad magic or truncated)"),
+             (tmp_path / "missing.gguf", f"model.path '{tmp_path}/missing.gguf' does not exist")]
+    for path, needle in cases:
+        rc, err = _cli(path, tmp_path, capsys, "engine.kind=hf")
+        assert rc == 2 and needle in err, err[-2000:]
+        assert "Traceback" not in err
+    assert not (tmp_path / "c" / "checkpoints").exists()
+
+
+
+def test_sigint_mid_step_finishes_the_step_and_checkpoints_it(tiny_model_dir, tmp_path, monkeypatch):
+    """A real SIGINT to this process during step 2 (checkpoint_every = 100: only the stop writes one)."""
+    from nearpolicy import trainer as trainer_module
+    from nearpolicy.signals import GracefulStop, StopRequested
+
+    trainer, _ = _trainer(tiny_model_dir, tmp_path, "run.steps=5", "logging.checkpoint_every=100")
+    real, calls = trainer_module.compute_advantages, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(trainer_module, "compute_advantages", interrupted)
+    with GracefulStop() as stop, pytest.raises(StopRequested) as stopped:
+        trainer.fit(stop)
+    saved = trainer.run_dir / "checkpoints" / "step_000002"
+    assert str(stopped.value) == f"stopped by SIGINT at step 2; checkpoint {saved} (continue with --resume)"
+    assert stopped.value.exit_code == 130 and len(calls) == 2
+    assert list_checkpoints(trainer.run_dir) == [saved]
+    assert json.loads((saved / "trainer_state.json").read_text())["step"] == 2
+    assert [json.loads(r)["step"] for r in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
