@@ -112,7 +112,7 @@ def run_simulation(eta, partial, overprovision, group_size, groups_per_step, ste
     return sched, trained
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(eta=st.integers(0, 3), partial=st.booleans(), overprovision=st.integers(0, 3), group_size=st.integers(1, 3),
        groups_per_step=st.integers(1, 3), seed=st.integers(0, 10**6),
        events=st.lists(st.one_of(st.tuples(st.just("tick"), st.integers(1, 8)),

@@ -42,6 +42,8 @@ def _train(args: argparse.Namespace) -> int:
         reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
         print(f"{reason} at step {trainer.state.step}; {where}", file=sys.stderr)
         return 130 if isinstance(err, KeyboardInterrupt) else 1
+    finally:
+        trainer.close()
     print(f"done: metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", file=sys.stderr)
     return 0
 

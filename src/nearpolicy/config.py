@@ -222,6 +222,38 @@ class CorrectionConfig(Section):
         return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
 
 
+class RolloutConfig(Section):
+    """Where rollouts come from: inline in the trainer process (engines = 0, synchronous) or engine replicas
+    running beside the trainer with bounded staleness (scheduler.py)."""
+
+    backend: Literal["local", "ray"] = "local"
+    """local: replicas are processes on this machine; ray: Ray actors on the cluster ray.init reaches."""
+    engines: int = Field(0, ge=0, le=64)
+    """Engine replicas; 0 = the engine runs inline, synchronously (the default)."""
+    staleness: int = Field(0, ge=0, le=16)
+    """eta: a trained token is at most this many policy versions old; 0 = synchronous."""
+    partial: bool = False
+    """Partial rollouts (APRIL): a sample interrupted by a weight update keeps its tokens and continues with the
+    new weights (needs staleness >= 1); off: it restarts, so no sample mixes versions."""
+    overprovision: int = Field(0, ge=0, le=1024)
+    """Groups issued beyond the staleness budget (APRIL's N' - N): the step takes the first complete groups."""
+    resync_ess: float = Field(0.5, ge=0, le=1)
+    """DLC resync: when the ESS of the stale tokens' weights exp(old - rollout) falls below this, the next update
+    waits for samples of the newest weights; 0 disables."""
+    engine_threads: int = Field(1, ge=1, le=256)
+    """CPU threads per replica."""
+    ray_address: str | None = None
+    """ray backend: the cluster address (None: start or join a local instance)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RolloutConfig":
+        if self.engines == 0 and (self.staleness or self.partial or self.overprovision or self.backend == "ray"):
+            raise ValueError("staleness, partial, overprovision and backend = 'ray' need rollout.engines >= 1")
+        if self.partial and self.staleness < 1:
+            raise ValueError("partial rollouts keep tokens across a weight update, so they need rollout.staleness >= 1")
+        return self
+
+
 class DistillConfig(Section):
     """On-policy distillation: per-token reverse KL to a teacher on the student's samples (docs/math.md sec. 15)."""
 
@@ -243,6 +275,12 @@ class LoggingConfig(Section):
 
 
 class Config(Section):
+    @model_validator(mode="after")
+    def _async_needs_llamacpp(self) -> "Config":
+        if self.rollout.engines and self.engine.kind != "llamacpp":
+            raise ValueError("rollout.engines >= 1 runs llama.cpp replicas: set engine.kind = 'llamacpp'")
+        return self
+
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -251,6 +289,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     correction: CorrectionConfig = CorrectionConfig()
     distill: DistillConfig = DistillConfig()
+    rollout: RolloutConfig = RolloutConfig()
     logging: LoggingConfig = LoggingConfig()
 
 

@@ -108,18 +108,22 @@ class RolloutScheduler:
         return limit - (self.produced + self.unfinished_samples())
 
     # -- issue ----------------------------------------------------------------------------------
-    def next_segments(self) -> list[Segment]:
-        """Everything that may be issued now: waiting segments first (continuations, restarts), then new groups
-        while the staleness bound allows. The segments are marked in flight at the current version."""
-        out = []
-        while self.waiting:
+    def next_segments(self, limit: int | None = None) -> list[Segment]:
+        """What may be issued now, at most `limit` samples (at least one segment when any is due): waiting
+        segments first (continuations, restarts), then new groups while the staleness bound allows. The segments
+        are marked in flight at the current version."""
+        out, used = [], 0
+        fits = lambda n: limit is None or not out or used + n <= limit  # noqa: E731
+        while self.waiting and fits(len(self.waiting[0].sample_indices)):
             seg = self.waiting.popleft()
             out.append(Segment(seg.group_id, seg.sample_indices, self.version, seg.fresh))
-        while self.capacity() >= self.G:
+            used += len(seg.sample_indices)
+        while self.capacity() >= self.G and not self.waiting and fits(self.G):
             gid = self.next_group_id
             self.next_group_id += 1
             self.groups[gid] = GroupState(gid, [SampleState() for _ in range(self.G)])
             out.append(Segment(gid, tuple(range(self.G)), self.version, True))
+            used += self.G
         for seg in out:
             self.in_flight.update((seg.group_id, i) for i in seg.sample_indices)
         return out
@@ -153,10 +157,13 @@ class RolloutScheduler:
             self.ready.append(r.group_id)
 
     def lost(self, segment: Segment) -> None:
-        """An engine died with `segment` in flight: its samples are issued again from where they were."""
-        for i in segment.sample_indices:
-            self.in_flight.discard((segment.group_id, i))
-        self._wait(segment.group_id, segment.sample_indices, fresh=segment.fresh)
+        """An engine died with `segment` in flight: its samples still in flight (not already returned) are issued
+        again from where they were."""
+        lost = tuple(i for i in segment.sample_indices if (segment.group_id, i) in self.in_flight)
+        if not lost:
+            return
+        self.in_flight.difference_update((segment.group_id, i) for i in lost)
+        self._wait(segment.group_id, lost, fresh=segment.fresh)
         self.stats["reissued_segments"] += 1
 
     def _wait(self, group_id: int, indices: tuple[int, ...], fresh: bool) -> None:

@@ -39,6 +39,7 @@ class TrainState:
     data_position: int = 0
     version: int = 0
     scorer_errors: int = 0
+    scheduler: dict | None = None  # async rollouts: the scheduler's restart state
 
 
 def _update_settings(cfg: Config) -> UpdateSettings:
@@ -69,6 +70,14 @@ class Trainer:
         if resume:
             _check_same_config(self.run_dir / "config.json", cfg)
             self._resume()
+        self.resync_pending = False  # DLC: the next batch must come from the newest weights
+        self.inline_version = self.state.version  # the weights the in-process engine (evaluation) holds
+        self.async_rollouts = None
+        if cfg.rollout.engines:
+            from nearpolicy.async_rollouts import AsyncRollouts
+
+            self.async_rollouts = AsyncRollouts(cfg, self.s, self.sampling, self.state.version, self.state.data_position,
+                                                self.state.scheduler, log)
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
         write_json(self.run_dir / "plan.json", self.s.plan | {"resumed_at_step": self.state.step})
         self.metrics = MetricsSink(self.run_dir, cfg.logging.tensorboard)
@@ -104,21 +113,46 @@ class Trainer:
     def sync(self) -> None:
         check_finite_weights(self.s.model, self.state.step + 1)  # never export (or later save) NaN / inf weights
         self.state.version += 1
-        self.s.sync_engine(self.state.version)
+        if self.async_rollouts is not None:
+            self.async_rollouts.publish(self.state.version)
+        else:
+            self.s.sync_engine(self.state.version)
+            self.inline_version = self.state.version
 
     def evaluate(self) -> dict[str, float]:
+        if self.inline_version != self.state.version:  # async: the replicas got every update, this engine did not
+            self.s.engine.update_weights(self.async_rollouts.latest, self.state.version)
+            self.inline_version = self.state.version
         problems = self.s.task.eval_problems()
         prompts = [self.s.prompt_ids(p) for p in problems]
         completions = self.s.engine.greedy(prompts, self.cfg.sampling.max_new_tokens)
         scores = [self._reward(c, p)[0] for c, p in zip(completions, problems)]
         return {"eval/accuracy": float(np.mean(scores)), "eval/response_length": float(np.mean([len(c) for c in completions]))}
 
+    def collect(self) -> tuple[list[Rollout], dict[int, Problem], dict[str, float]]:
+        """The step's rollouts and their problems: sampled inline now, or taken from the async replicas."""
+        if self.async_rollouts is not None:
+            out = self.async_rollouts.collect(self.state.version, self.resync_pending)
+            self.state.data_position = self.async_rollouts.next_group_id
+            return out
+        n = self.cfg.algorithm.prompts_per_step
+        problems = [self.s.task.train_problem(self.state.data_position + i) for i in range(n)]
+        rollouts = self.rollout(problems)
+        by_group = {self.state.data_position + i: p for i, p in enumerate(problems)}
+        self.state.data_position += n
+        return rollouts, by_group, {}
+
+    def _resync_check(self, batch, old_logprobs: torch.Tensor, defined: torch.Tensor) -> dict[str, float]:
+        from nearpolicy.async_rollouts import lag_ess
+
+        ess = lag_ess(old_logprobs, batch.rollout_logprobs, defined, batch.versions, self.state.version)
+        self.resync_pending = ess < self.cfg.rollout.resync_ess
+        return {"staleness/lag_ess": ess, "staleness/resync": float(self.resync_pending)}
+
     def train_step(self) -> dict[str, float]:
         cfg, t = self.cfg, {}
-        problems = [self.s.task.train_problem(self.state.data_position + i) for i in range(cfg.algorithm.prompts_per_step)]
-        by_group = {self.state.data_position + i: p for i, p in enumerate(problems)}
         t0 = time.perf_counter()
-        rollouts = self.rollout(problems)
+        rollouts, by_group, async_metrics = self.collect()
         t["time/rollout"] = time.perf_counter() - t0
         self.score(rollouts, by_group)
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
@@ -144,10 +178,13 @@ class Trainer:
         _, defined = mismatch_log_ratio(old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
         mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, defined)
         mismatch |= mismatch_decomposition(update.logprobs, old_logprobs, batch.rollout_logprobs, defined)
-        self.state.data_position += len(problems)
+        if self.async_rollouts is not None:
+            async_metrics |= self._resync_check(batch, old_logprobs, defined)
         t0 = time.perf_counter()
         self.sync()
         t["time/sync"] = time.perf_counter() - t0
+        if self.async_rollouts is not None:
+            async_metrics |= self.async_rollouts.metrics()
         n_tokens = float(batch.mask.sum())
         lengths = batch.mask.sum(1).float()
         out = {
@@ -157,7 +194,7 @@ class Trainer:
             "response/frac_truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
             "entropy": float(entropy[batch.mask].mean()),
             **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
-            **update.metrics, **t, **distill_metrics,
+            **update.metrics, **t, **distill_metrics, **async_metrics,
             "throughput/rollout_tokens_per_s": n_tokens / max(t["time/rollout"], 1e-9),
             "throughput/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t["time/update"], 1e-9),
             "policy/version": float(self.state.version),
@@ -199,12 +236,21 @@ class Trainer:
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
         bar.close()
         self.metrics.close()
+        self.close()
         return self.run_dir
+
+    def close(self) -> None:
+        """Stop the engine replicas (async rollouts); safe to call twice."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
+            self.async_rollouts = None
 
     def checkpoint(self) -> Path:
         st = self.state
         state = {"data_position": st.data_position, "version": st.version, "scorer_errors": st.scorer_errors,
                  "engine_precision": self.cfg.engine.precision, **self.guard.state()}
+        if self.async_rollouts is not None:
+            state["scheduler"] = self.async_rollouts.state_dict()
         self.saved = save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state,
                                      self.cfg.logging.keep_checkpoints)
         return self.saved
@@ -227,7 +273,7 @@ class Trainer:
                 self.log(f"warning: checkpoint {path} is not loadable ({type(err).__name__}: {err}); trying an older one")
                 continue
             self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
-                                    scorer_errors=saved.get("scorer_errors", 0))
+                                    scorer_errors=saved.get("scorer_errors", 0), scheduler=saved.get("scheduler"))
             self.guard.restore(saved)
             self.saved = path
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)

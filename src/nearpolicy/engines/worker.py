@@ -1,0 +1,109 @@
+"""An engine worker: runs scheduler segments on a llama.cpp engine, in its own process (local backend) or as a
+Ray actor (ray backend). A segment whose version is not the engine's comes back interrupted with no tokens, so
+no token is ever labelled with a version whose weights did not produce it."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nearpolicy.scheduler import SegmentResult
+from nearpolicy.types import GenerationRequest, SamplingParams
+
+
+@dataclass(frozen=True)
+class SegmentJob:
+    """A scheduler Segment with what the engine needs: the prompt, each sample's tokens so far and the number of
+    tokens each may still generate."""
+
+    group_id: int
+    sample_indices: tuple[int, ...]
+    version: int
+    fresh: bool
+    prompt_ids: tuple[int, ...]
+    prefixes: tuple[tuple[int, ...], ...]  # per sample index, the completion ids generated so far
+    remaining: tuple[int, ...]  # per sample index
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start an engine worker (picklable: sent to processes and Ray actors)."""
+
+    gguf_path: str
+    version: int
+    max_context: int
+    max_parallel_sequences: int
+    threads: int
+    kv_cache: str
+    flash_attention: bool
+
+
+class EngineWorker:
+    def __init__(self, spec: EngineSpec):
+        from nearpolicy.engines.llamacpp import LlamaCppEngine
+
+        self.engine = LlamaCppEngine(Path(spec.gguf_path), max_context=spec.max_context,
+                                     max_parallel_sequences=spec.max_parallel_sequences, threads=spec.threads,
+                                     version=spec.version, kv_cache=spec.kv_cache, flash_attention=spec.flash_attention)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load(self, gguf_path: str, version: int) -> None:
+        self.engine.update_weights(Path(gguf_path), version)
+
+    def run(self, jobs: list[SegmentJob], sampling: SamplingParams, seed: int,
+            interrupt: Callable[[], bool] | None = None) -> list[SegmentResult]:
+        """Generate every job's samples in one multi-sequence batch; one SegmentResult per (job, sample)."""
+        requests, owners, out = [], [], []
+        for job in jobs:
+            if job.version != self.engine.version:
+                out += [SegmentResult(job.group_id, i, job.version, (), (), "interrupted") for i in job.sample_indices]
+            elif job.fresh:
+                requests.append(GenerationRequest(len(requests), job.prompt_ids, len(job.sample_indices),
+                                                  max_new_tokens=job.remaining[0]))
+                owners.append((job, job.sample_indices))
+            else:
+                for i, prefix, left in zip(job.sample_indices, job.prefixes, job.remaining):
+                    requests.append(GenerationRequest(len(requests), job.prompt_ids + prefix, 1, max_new_tokens=left))
+                    owners.append((job, (i,)))
+        rollouts = self.engine.generate(requests, sampling, seed, interrupt=interrupt) if requests else []
+        cursor = 0
+        for job, indices in owners:
+            for i in indices:
+                r = rollouts[cursor]
+                cursor += 1
+                out.append(SegmentResult(job.group_id, i, job.version, tuple(r.completion_ids),
+                                         tuple(float(x) for x in r.rollout_logprobs), r.finish_reason))
+        return out
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def process_main(worker_id: int, spec: EngineSpec, inbox, outbox, interrupt_event) -> None:
+    """Entry point of a local worker process: serve run / load / stop messages until told to stop."""
+    try:
+        worker = EngineWorker(spec)
+    except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
+        outbox.put((worker_id, "error", traceback.format_exc()))
+        return
+    outbox.put((worker_id, "ready", spec.version))
+    while True:
+        kind, payload = inbox.get()
+        try:
+            if kind == "run":
+                call_id, jobs, sampling, seed = payload
+                outbox.put((worker_id, "results", (call_id, worker.run(jobs, sampling, seed, interrupt_event.is_set))))
+            elif kind == "load":
+                worker.load(*payload)
+                interrupt_event.clear()
+                outbox.put((worker_id, "loaded", payload[1]))
+            else:
+                worker.close()
+                return
+        except Exception:  # noqa: BLE001
+            outbox.put((worker_id, "error", traceback.format_exc()))

@@ -1,0 +1,109 @@
+"""The asynchronous rollout service: drives engine replicas (engine_pool.py) with the scheduler's segments while
+the trainer updates, hands complete groups to the trainer, publishes new weights (interrupting in-flight
+decoding), and restarts a replica that dies, re-issuing its segments (no sample lost or trained twice)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.worker import SegmentJob
+from nearpolicy.scheduler import GroupState, RolloutScheduler
+from nearpolicy.types import Rollout, SamplingParams
+
+
+class RolloutService:
+    def __init__(self, scheduler: RolloutScheduler, pool, prompt_of: Callable[[int], tuple[int, ...]],
+                 sampling: SamplingParams, seed: int, max_parallel: int, gguf_path: str, log=print):
+        self.sched, self.pool, self.prompt_of = scheduler, pool, prompt_of
+        self.sampling, self.seed, self.max_parallel, self.log = sampling, seed, max_parallel, log
+        self.path, self.version = gguf_path, scheduler.version
+        self.busy: dict[int, tuple[int, list] | None] = {w: None for w in range(pool.replicas)}
+        self.idle_since = {w: time.perf_counter() for w in range(pool.replicas)}
+        self.calls = 0
+        self.counters: Counter = Counter()
+
+    # -- driving the replicas --------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        for w, job in self.busy.items():
+            if job is not None:
+                continue
+            segments = self.sched.next_segments(limit=self.max_parallel)
+            if not segments:
+                return
+            jobs = [self._job(s) for s in segments]
+            self.calls += 1
+            seed = int(np.random.SeedSequence([self.seed, self.version, self.calls]).generate_state(1)[0])
+            self.pool.submit(w, self.calls, jobs, self.sampling, seed)
+            self.busy[w] = (self.calls, segments)
+            self.counters["engine_idle_s"] += time.perf_counter() - self.idle_since[w]
+
+    def _job(self, seg) -> SegmentJob:
+        samples = [self.sched.sample(seg.group_id, i) for i in seg.sample_indices]
+        return SegmentJob(seg.group_id, seg.sample_indices, seg.version, seg.fresh, self.prompt_of(seg.group_id),
+                          tuple(tuple(s.completion_ids) for s in samples),
+                          tuple(self.sched.remaining_tokens(seg.group_id, i) for i in seg.sample_indices))
+
+    def _handle(self, events: list[tuple]) -> None:
+        for w, kind, payload in events:
+            if kind == "results":
+                call_id, results = payload
+                for r in results:
+                    self.sched.on_result(r)
+                self.counters["generated_tokens"] += sum(len(r.completion_ids) for r in results)
+                self._free(w)
+            elif kind == "died":
+                self.log(f"warning: engine replica {w} died ({payload}); restarting it and re-issuing its segments")
+                for seg in (self.busy[w] or (None, []))[1]:
+                    self.sched.lost(seg)
+                self.counters["engine_restarts"] += 1
+                self.pool.restart(w, self.path, self.version)
+                self._free(w)
+            elif kind == "error":
+                raise EngineError(f"engine replica {w} failed:\n{payload}")
+
+    def _free(self, w: int) -> None:
+        self.busy[w] = None
+        self.idle_since[w] = time.perf_counter()
+
+    # -- what the trainer calls ------------------------------------------------------------------
+    def next_batch(self, fresh_only: bool = False, timeout_s: float = 3600.0) -> list[GroupState]:
+        """Block until the scheduler hands out a training batch; the time spent here is the trainer's wait."""
+        t0 = time.perf_counter()
+        while True:
+            self._dispatch()
+            batch = self.sched.take_batch(fresh_only)
+            if batch is not None:
+                self.counters["trainer_wait_s"] += time.perf_counter() - t0
+                return batch
+            if time.perf_counter() - t0 > timeout_s:
+                raise EngineError(f"no training batch after {timeout_s:.0f} s (engine replicas stalled?)")
+            self._handle(self.pool.poll(timeout=0.05))
+
+    def publish(self, gguf_path: str, version: int) -> None:
+        """New weights: interrupt in-flight decoding, reload every replica (they reload in parallel with the
+        trainer's next phase; segments issued from now on carry `version`)."""
+        self.sched.publish(version)
+        self.path, self.version = gguf_path, version
+        self.pool.interrupt_all()
+        self.pool.load_all(gguf_path, version)
+
+    def take_counters(self) -> dict[str, float]:
+        """Per-step service metrics (reset after reading) plus the scheduler's running counts."""
+        out = {f"async/{k}": float(v) for k, v in self.counters.items()}
+        out |= {f"async/{k}_total": float(v) for k, v in self.sched.stats.items()}
+        self.counters = Counter()
+        return out
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def groups_to_rollouts(groups: list[GroupState], prompt_of: Callable[[int], tuple[int, ...]]) -> list[Rollout]:
+    """Trainer rollouts from complete scheduler groups: ids, engine log-probs and per-token versions verbatim."""
+    return [Rollout(g.group_id, i, list(prompt_of(g.group_id)), list(s.completion_ids), list(s.logprobs),
+                    list(s.versions), s.finish) for g in groups for i, s in enumerate(g.samples)]
