@@ -147,7 +147,11 @@ class Trainer:
 
         ess = lag_ess(old_logprobs, batch.rollout_logprobs, defined, batch.versions, self.state.version)
         self.resync_pending = ess < self.cfg.rollout.resync_ess
-        return {"staleness/lag_ess": ess, "staleness/resync": float(self.resync_pending)}
+        fresh = defined & (batch.versions == self.state.version)  # numerical discrepancy only
+        split = {"fresh": fresh, "stale": defined & ~fresh}  # stale: discrepancy + version lag
+        return {"staleness/lag_ess": ess, "staleness/resync": float(self.resync_pending),
+                **{f"mismatch/{k}_k3": float(mismatch_metrics(old_logprobs, batch.rollout_logprobs, m)["k3"])
+                   for k, m in split.items()}}
 
     def train_step(self) -> dict[str, float]:
         cfg, t = self.cfg, {}
