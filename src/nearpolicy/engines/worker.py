@@ -85,7 +85,11 @@ class EngineWorker:
 
 
 def process_main(worker_id: int, spec: EngineSpec, inbox, outbox, interrupt_event) -> None:
-    """Entry point of a local worker process: serve run / load / stop messages until told to stop."""
+    """Entry point of a local worker process: serve run / load / stop messages until told to stop. Ctrl-C reaches
+    the whole process group; the trainer decides how to stop (signals.py), so the replica ignores it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = EngineWorker(spec)
     except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
