@@ -117,10 +117,10 @@ def test_recipe_promotes_by_k3_per_byte_until_the_prediction_fits():
 
 
 def test_candidate_strings_round_trip_and_errors():
-    c = parse_candidate("llamacpp:q4_1,blk.0-2=f16,kv_cache=f32,temperature=0.7,round_weights=q4_1")
-    assert c.tensor_precision == (("blk.0-2", "f16"),) and c.kv_cache == "f32" and c.round_weights == "q4_1"
+    c = parse_candidate("llamacpp:q4_1,blk.0-2=f16,kv_cache=f32,temperature=0.7,weights_only=true")
+    assert c.tensor_precision == (("blk.0-2", "f16"),) and c.kv_cache == "f32" and c.weights_only
     assert parse_candidate(c.spec()) == c and c.sampling == {"temperature": 0.7}
-    assert c.weights_description() == "q4_1 (blk.0-2=f16)"
+    assert c.weights_description() == "q4_1 (blk.0-2=f16) rounded, f32 kernels"
     for bad, words in [("vllm:f16", "llamacpp:<precision>"), ("llamacpp:q2_k", "unknown llamacpp precision"),
                        ("llamacpp:q4_1,blk.x=f16", "selector"), ("hf:bf16,blk.0=f16", "cannot use option"),
                        ("llamacpp:f16,top_p=2", "top_p"), ("llamacpp:f16,top_k=two", "top_k must be a int")]:
@@ -140,3 +140,27 @@ def test_cli_exit_codes_and_outputs(tiny_model_dir, tmp_path):
     assert "every candidate admitted" in ok.stderr and "| hf:fp32 | fp32 |" in ok.stderr
     report = json.loads((tmp_path / "ok" / "diagnose.json").read_text())
     assert report["budget"]["rule"].startswith("absolute") and report["candidates"][0]["k3"] < 1e-9
+
+
+def test_weights_only_rounds_each_tensor_exactly_as_the_engine_stores_it(tiny_model_dir, smollm2_gguf, tmp_path):
+    """weights_only=true hands the f32 engine the very values the quantized GGUF holds (here q4_1 blocks and q8_0
+    embeddings, the shipped SmolLM2 recipe)."""
+    import gguf
+
+    from nearpolicy.diagnosis.measure import DiagnoseContext, engine_state_dict
+    from nearpolicy.engines.gguf_export import export_gguf
+    from nearpolicy.models import load_policy
+
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    candidate = parse_candidate("llamacpp:q4_1,embeddings=q8_0,weights_only=true")
+    ctx = DiagnoseContext(model, tokenizer, smollm2_gguf, [[1]], 1, None, tmp_path)
+    rounded = engine_state_dict(ctx, candidate)
+    out = tmp_path / "q.gguf"
+    export_gguf(model.state_dict(), model.config, out, "q4_1", smollm2_gguf, tensor_precision=(("embeddings", "q8_0"),))
+    stored = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    for hf, name in (("model.layers.0.mlp.up_proj.weight", "blk.0.ffn_up.weight"),
+                     ("model.embed_tokens.weight", "token_embd.weight")):
+        t = stored[name]
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rounded[hf].shape)
+        assert torch.equal(rounded[hf], torch.from_numpy(values.astype("float32")))
+        assert not torch.equal(rounded[hf], model.state_dict()[hf])  # the rounding did something

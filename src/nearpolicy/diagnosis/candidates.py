@@ -4,8 +4,9 @@
 
 ENGINE:PRECISION is `llamacpp:<gguf type>` (f32 f16 bf16 q8_0 q5_0 q4_0 q4_1 mxfp4) or `hf:<dtype>` (fp32, bf16).
 Options: `kv_cache=f16|f32` and `flash_attention=true|false` (llamacpp), `temperature=`, `top_p=`, `top_k=`
-(sampling, replacing the config's), `round_weights=<gguf type>` (the weights are rounded to that type and back
-before export: weight-quantization error without the type's kernels), and per-tensor precision overrides
+(sampling, replacing the config's), `weights_only=true` (llamacpp: every weight is rounded exactly as this
+candidate would store it, then run with f32 kernels: the weight-quantization error without the activation
+quantization of llama.cpp's quantized dot products), and per-tensor precision overrides
 `<selector>=<gguf type>` (engines/precision_map.py: embeddings, output, attention, mlp, blk.N, blk.N-M, globs).
 Example: `llamacpp:q4_1,blk.0-2=f16,kv_cache=f32`."""
 
@@ -29,7 +30,7 @@ class RolloutCandidate:
     precision: str  # GGUF type (llamacpp) or torch dtype name (hf)
     kv_cache: str = "f16"
     flash_attention: bool = False
-    round_weights: str | None = None
+    weights_only: bool = False
     tensor_precision: tuple[tuple[str, str], ...] = ()
     sampling: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
     label: str = ""
@@ -46,13 +47,14 @@ class RolloutCandidate:
             parts.append(f"kv_cache={self.kv_cache}")
         if self.flash_attention:
             parts.append("flash_attention=true")
-        if self.round_weights:
-            parts.append(f"round_weights={self.round_weights}")
+        if self.weights_only:
+            parts.append("weights_only=true")
         parts += [f"{k}={v}" for k, v in self.sampling.items()]
         return ",".join(parts)
 
     def weights_description(self) -> str:
-        return describe(self.precision, self.tensor_precision)
+        text = describe(self.precision, self.tensor_precision)
+        return f"{text} rounded, f32 kernels" if self.weights_only else text
 
     def sampling_params(self, base: SamplingParams) -> SamplingParams:
         return replace(base, **self.sampling)
@@ -82,8 +84,8 @@ def parse_candidate(text: str) -> RolloutCandidate:
             fields["kv_cache"] = value
         elif key == "flash_attention" and value in ("true", "false"):
             fields["flash_attention"] = value == "true"
-        elif key == "round_weights" and value in PRECISIONS:
-            fields["round_weights"] = value
+        elif key == "weights_only" and value in ("true", "false") and engine == "llamacpp":
+            fields["weights_only"] = value == "true"
         elif value in PRECISIONS and engine == "llamacpp":
             try:
                 selector_globs(key)
@@ -92,7 +94,7 @@ def parse_candidate(text: str) -> RolloutCandidate:
             overrides.append((key, value))
         else:
             raise ValueError(f"candidate {text!r}: cannot use option {option!r} (keys: kv_cache, flash_attention, "
-                             f"round_weights, {', '.join(_SAMPLING_KEYS)} or a tensor selector; GGUF types: "
+                             f"weights_only, {', '.join(_SAMPLING_KEYS)} or a tensor selector; GGUF types: "
                              f"{', '.join(PRECISIONS)})")
     candidate = RolloutCandidate(**fields, tensor_precision=tuple(overrides), sampling=sampling)
     try:

@@ -12,6 +12,7 @@ import torch
 
 from nearpolicy.batching import collate
 from nearpolicy.diagnosis.candidates import RolloutCandidate
+from nearpolicy.engines.gguf_export import tensor_precision
 from nearpolicy.engines.precision_map import round_to_precision
 from nearpolicy.ops.diagnostics import (logprob_diff_quantiles, mismatch_by_position, mismatch_metrics,
                                         sequence_ess)
@@ -51,12 +52,18 @@ class CandidateResult:
 
 
 def engine_state_dict(ctx: DiagnoseContext, candidate: RolloutCandidate) -> dict[str, torch.Tensor]:
-    """The weights the candidate's engine receives: the trainer's, rounded to `round_weights` when set."""
+    """The weights the candidate's engine receives: the trainer's; with `weights_only`, each 2-D weight rounded to
+    the GGUF type the candidate would store it at (quantize, dequantize; row permutations commute with it)."""
     state = {k: v.detach() for k, v in ctx.model.state_dict().items()}
-    if candidate.round_weights:
-        state = {k: torch.from_numpy(round_to_precision(v.float().numpy(), candidate.round_weights)) if v.ndim >= 2 else v
-                 for k, v in state.items()}
-    return state
+    if not candidate.weights_only:
+        return state
+    rounded = {}
+    for name, value in state.items():
+        if value.ndim >= 2:
+            precision = tensor_precision(name, ctx.model.config, candidate.precision, candidate.tensor_precision)
+            value = torch.from_numpy(round_to_precision(value.float().numpy(), precision))
+        rounded[name] = value
+    return rounded
 
 
 def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
@@ -68,17 +75,15 @@ def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
 
         ctx.workdir.mkdir(parents=True, exist_ok=True)
         path = ctx.workdir / "candidate.gguf"
-        export_gguf(state, ctx.model.config, path, candidate.precision, ctx.template_gguf, tokenizer=ctx.tokenizer,
-                    tensor_precision=candidate.tensor_precision)
+        precision, overrides = ("f32", ()) if candidate.weights_only else (candidate.precision, candidate.tensor_precision)
+        export_gguf(state, ctx.model.config, path, precision, ctx.template_gguf, tokenizer=ctx.tokenizer,
+                    tensor_precision=overrides)
         return LlamaCppEngine(path, max_context=ctx.max_context, threads=ctx.threads, kv_cache=candidate.kv_cache,
                               flash_attention=candidate.flash_attention)
     from nearpolicy.engines.hf import HFEngine
     from nearpolicy.setup import stop_token_ids
 
-    engine = HFEngine(ctx.model, stop_token_ids(ctx.tokenizer, ctx.model), dtype=candidate.precision)
-    if candidate.round_weights:
-        engine.update_weights(state, 0)
-    return engine
+    return HFEngine(ctx.model, stop_token_ids(ctx.tokenizer, ctx.model), dtype=candidate.precision)
 
 
 def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samples=lambda n: None) -> CandidateResult:

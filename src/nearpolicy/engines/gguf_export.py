@@ -143,6 +143,17 @@ def export_gguf(
     return report
 
 
+def tensor_precision(hf_name: str, config: Any, precision: str, overrides: PrecisionMap = (),
+                     embedding_precision: str | None = None) -> str:
+    """The GGUF type `export_gguf` stores the HF tensor `hf_name` at (2-D weights; 1-D tensors stay F32)."""
+    name = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers).get_name(
+        hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ValueError(f"cannot map tensor {hf_name!r} to a llama GGUF tensor name")
+    default = (embedding_precision or precision) if name in _EMBEDDING else precision
+    return precision_for(name, default, overrides)
+
+
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
