@@ -82,3 +82,15 @@ def tiny_gguf_factory(
         return cache[precision]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype(request):
+    """Each test runs with its module's DEFAULT_DTYPE (float32 unless the module asks for float64), so the float64
+    math modules do not leak their default into the model and trainer tests."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(request.module, "DEFAULT_DTYPE", torch.float32))
+    yield
+    torch.set_default_dtype(previous)

@@ -8,7 +8,8 @@ import torch
 from nearpolicy.ops.advantages import ADVANTAGES, compute_advantages, mc_grpo_advantages, mc_grpo_pivot
 from nearpolicy.ops.losses import PolicyLossInput, policy_loss, PolicyLossParams
 
-torch.set_default_dtype(torch.float64)
+torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
+DEFAULT_DTYPE = torch.float64
 MC = ["mc_grpo", "mc_grpo_mad", "mc_grpo_released"]
 
 

@@ -11,7 +11,8 @@ from nearpolicy.ops.corrections import (ACTIONS, LEVELS, CorrectionSpec, Rejecti
                                         mismatch_correction, proximal_logprobs)
 from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
 
-torch.set_default_dtype(torch.float64)
+torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
+DEFAULT_DTYPE = torch.float64
 RULES = (RejectionRule("k3", "seq_mean", upper=0.05), RejectionRule("k1", "token", -0.6, 0.6),
          RejectionRule("k2", "seq_max", upper=0.3), RejectionRule.ratio("seq_sum", 0.3, 3.0))
 

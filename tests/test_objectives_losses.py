@@ -9,7 +9,8 @@ from nearpolicy.ops.losses import (POLICY_LOSSES, PolicyLossInput, PolicyLossPar
                                    ppo_clip_loss)
 from nearpolicy.ops.masked import AGGREGATIONS, aggregate, aggregation_denominator
 
-torch.set_default_dtype(torch.float64)
+torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
+DEFAULT_DTYPE = torch.float64
 LOSSES = POLICY_LOSSES.names()
 P = PolicyLossParams(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
 

@@ -12,7 +12,8 @@ from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
 from nearpolicy.ops.proximal import (a3po_alpha, a3po_proximal_logprobs, ais_lambda, discrepancy_center, dlc_resync_signal,
                                      dlc_weights, ewma_update, mix_weights, normalized_ess, ppo_ewma_weights)
 
-torch.set_default_dtype(torch.float64)
+torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
+DEFAULT_DTYPE = torch.float64
 
 
 def _case(seed=0, B=5, T=6):

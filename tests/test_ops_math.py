@@ -11,7 +11,8 @@ from nearpolicy.ops.corrections import TokenCorrection, token_correction_weights
 from nearpolicy.ops.diagnostics import mismatch_metrics
 from nearpolicy.ops.losses import PolicyLossInput, ppo_clip_loss
 
-torch.set_default_dtype(torch.float64)
+torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
+DEFAULT_DTYPE = torch.float64
 
 
 # -- advantages (invariant 6) -------------------------------------------------------------------

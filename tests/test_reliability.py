@@ -32,9 +32,9 @@ from nearpolicy.runs import CheckpointError, list_checkpoints, load_checkpoint, 
 def _small_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A 512x512 linear layer (1 MiB of weights, 2 MiB of Adam state) after one optimizer step."""
     torch.manual_seed(seed)
-    model = torch.nn.Linear(512, 512)
+    model = torch.nn.Linear(512, 512, dtype=torch.float32)  # explicit: the sizes below assume 4-byte weights
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 512)).sum().backward()
+    model(torch.randn(2, 512, dtype=torch.float32)).sum().backward()
     opt.step()
     return model, opt
 
