@@ -57,9 +57,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+EXTRA_TENSORS = "extra.safetensors"
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, keep: int) -> Path:
-    """Write checkpoints/step_XXXXXX atomically; returns its path. Refuses non-finite weights."""
+                    state: dict, keep: int, extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write checkpoints/step_XXXXXX atomically; returns its path. Refuses non-finite weights. `extra`: further
+    named tensors (e.g. the PPO-EWMA proximal weights) written to extra.safetensors, read by `load_extra_tensors`."""
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
@@ -74,6 +78,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     opt_tensors, opt_meta = _flatten_optimizer(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    if extra:
+        save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(tmp / EXTRA_TENSORS))
     write_json(tmp / "trainer_state.json", {**state, "step": step, "optimizer": opt_meta})
     for f in tmp.iterdir():
         with f.open("rb") as handle:
@@ -106,6 +112,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     _restore_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state["optimizer"])
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_rng"])
     return state
+
+
+def load_extra_tensors(path: Path) -> dict[str, torch.Tensor] | None:
+    """The checkpoint's extra tensors, or None when it has none (checkpoints written before they existed)."""
+    file = path / EXTRA_TENSORS
+    return load_file(str(file)) if file.exists() else None
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:
