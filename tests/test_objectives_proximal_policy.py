@@ -32,7 +32,7 @@ def model_and_batch(tiny_model_dir):
     for i in range(6):
         prompt = torch.randint(3, 49152, (3 + i % 3,), generator=g).tolist()
         completion = torch.randint(3, 49152, (2 + (5 * i) % 7,), generator=g).tolist()
-        lps = (-3.0 - torch.rand(len(completion), generator=g)).tolist()
+        lps = (-10.8 + 0.5 * torch.randn(len(completion), generator=g)).tolist()  # near the tiny model's -log V
         rollouts.append(Rollout(i // 2, i % 2, prompt, completion, lps, [4] * len(completion), "length"))
     return model, collate(rollouts, pad_id=2, vocab_size=49152)
 
@@ -179,3 +179,41 @@ def test_a3po_in_the_synchronous_trainer_reduces_to_old_logprobs(model_and_batch
     stale = policy_update(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), batch, old, ADV,
                           SAMPLING, _settings(2, "a3po"), version=7).metrics
     assert stale["actor/ppo_kl"] != out["old"][0]["actor/ppo_kl"]  # staleness 3: the interpolation is used
+
+
+# -- self-normalised IS through the update ---------------------------------------------------------------------
+def test_self_normalised_is_loss_does_not_depend_on_the_micro_batch_size(model_and_batch):
+    """The self-normalisation mean is a batch statistic computed once, so micro-batching leaves the loss and the
+    gradient unchanged (invariant 7)."""
+    model, batch = model_and_batch
+    spec = CorrectionSpec("token", "truncate", 0.0, 2.0, self_normalize="token")
+    out = {}
+    for micro in (1, 6):
+        m = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.0)
+        grads = {}
+        optimizer.step = lambda m=m, grads=grads: grads.update({n: p.grad.clone() for n, p in m.named_parameters()})
+        old = recompute_logprobs(m, batch, SAMPLING, 3)[0]
+        settings = UpdateSettings(1, micro, 1e9, "ppo_clip", PolicyLossParams(0.2, 0.28, 3.0), "token-mean", None, spec)
+        out[micro] = policy_update(m, optimizer, batch, old, ADV, SAMPLING, settings).metrics, grads
+    (m1, g1), (m6, g6) = out[1], out[6]
+    assert m1["correction/sn_factor"] == pytest.approx(m6["correction/sn_factor"], rel=1e-5)
+    assert abs(m1["correction/sn_factor"] - 1) > 0.05
+    assert m1["actor/loss"] == pytest.approx(m6["actor/loss"], rel=1e-5)
+    assert m1["correction/weight_mean"] == pytest.approx(1.0, rel=1e-5)  # mean weight over defined tokens is 1
+    for name in g1:
+        assert torch.allclose(g1[name], g6[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_config_rejects_a_non_old_proximal_in_bypass_mode_and_a_decay_of_one():
+    from nearpolicy.config import ConfigError, load_config
+
+    cfg = load_config(None, ["correction.proximal='ewma'", "correction.ewma_decay=0.5"])
+    assert cfg.correction.proximal == "ewma" and cfg.correction.ewma_decay == 0.5
+    with pytest.raises(ConfigError, match="correction.proximal"):
+        load_config(None, ["correction.proximal='a3po'", "correction.preset='bypass_ppo_clip'"])
+    with pytest.raises(ConfigError, match="ewma_decay"):
+        load_config(None, ["correction.ewma_decay=1.0"])
+    with pytest.raises(ConfigError, match="proximal"):
+        load_config(None, ["correction.proximal='rollout'"])
+    assert load_config(None, ["correction.self_normalize='token'"]).correction.spec().self_normalize == "token"

@@ -81,8 +81,7 @@ def batch_correction(batch: TokenBatch, old_logprobs: torch.Tensor, settings: Up
     normalizer = None
     if spec.self_normalize != "off":
         lr, dfn = correction_log_ratio(spec.mode, old_logprobs, old_logprobs, rollout, mask, batch.has_rollout)
-        normalizer = correct(spec, lr, dfn, mask).metrics["correction/sn_factor"]
-        metrics["correction/sn_factor"] = float(normalizer)
+        normalizer = correct(spec, lr, dfn, mask).metrics["correction/sn_factor"]  # reported by each micro-batch
     return rollout, spec, metrics, normalizer
 
 
