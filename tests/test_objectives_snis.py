@@ -149,3 +149,16 @@ def test_icepop_score_centering_vanishes_without_mismatch_so_the_loss_is_uncorre
     base, _ = policy_loss("ppo_clip", PolicyLossInput(lp, lp.detach(), adv, mask, mask.sum()), PolicyLossParams(0.2, 0.2))
     total = base + (adv[:, None] * c).sum() / mask.sum()
     assert total.item() == base.item()
+
+
+@pytest.mark.parametrize("kind", ["token", "sequence"])
+def test_self_normalisation_ignores_nan_and_inf_at_masked_or_missing_positions(kind):
+    """Invariants 4 and 5 for the self-normalised weights: poisoned log-ratios where the token is padding or has
+    no engine log-prob change neither the weights nor the batch mean."""
+    log_rho, defined, mask = _case(7)
+    spec = CorrectionSpec("token" if kind == "token" else "geometric", "truncate", 0.0, 3.0, self_normalize=kind)
+    base = correct(spec, log_rho, defined, mask)
+    poisoned = log_rho.masked_fill(~defined, math.nan).masked_fill(~mask, math.inf)
+    out = correct(spec, poisoned, defined, mask)
+    assert torch.equal(out.weights, base.weights) and torch.equal(out.keep, base.keep)
+    assert all(torch.isfinite(v) for v in out.metrics.values())
