@@ -32,17 +32,16 @@ from typing import Literal
 import torch
 
 from nearpolicy.ops.masked import SAFETY_BOUND, clamped_exp, masked_sum, select
+from nearpolicy.ops.self_normalize import SELF_NORMALIZE, self_normalization_factor
 
 CorrectionAction = Literal["off", "none", "truncate", "mask"]
 CorrectionLevel = Literal["token", "sequence", "geometric", "prefix_min", "prefix_geometric"]
 CorrectionMode = Literal["decoupled", "bypass"]
-SelfNormalize = Literal["off", "token", "sequence"]
 RejectionStatistic = Literal["log_ratio", "k1", "k2", "k3"]
 RejectionLevel = Literal["token", "seq_sum", "seq_mean", "seq_max"]
 ACTIONS = ("off", "none", "truncate", "mask")
 LEVELS = ("token", "sequence", "geometric", "prefix_min", "prefix_geometric")
 MODES = ("decoupled", "bypass")
-SELF_NORMALIZE = ("off", "token", "sequence")
 STATISTICS = ("log_ratio", "k1", "k2", "k3")
 REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 
@@ -105,7 +104,7 @@ class CorrectionSpec:
     veto: float | None = None
     prefix_inclusive: bool = False
     mix: float = 1.0
-    self_normalize: SelfNormalize = "off"
+    self_normalize: Literal["off", "token", "sequence"] = "off"
 
     def __post_init__(self) -> None:
         _check_bounds(self.lower, self.upper, "correction")
@@ -209,21 +208,6 @@ def rejection_statistic(log_rho: torch.Tensor, defined: torch.Tensor, rule: Reje
 
 def _rule_name(rule: RejectionRule) -> str:
     return f"{rule.level}_{rule.statistic}"
-
-
-def self_normalization_factor(weights: torch.Tensor, keep: torch.Tensor, defined: torch.Tensor, kind: SelfNormalize) -> torch.Tensor:
-    """Scalar mean weight of self-normalised IS: weights [B, T] (before rejection), keep / defined [B, T] bool;
-    rejected tokens count 0. token: sum_def w / n_def; sequence: mean over sequences with a defined token of
-    sum_def w / n_def per sequence (verl rollout_is_batch_normalize, slime tis_batch_normalize). 1 when there
-    is nothing to average or the mean is <= 1e-8 (verl skips the division then)."""
-    w = select(weights.detach(), keep & defined)
-    if kind == "token":
-        mean = w.sum() / defined.sum().clamp_min(1)
-    else:
-        n = defined.sum(-1)
-        per_seq = w.sum(-1) / n.clamp_min(1)
-        mean = select(per_seq, n > 0).sum() / (n > 0).sum().clamp_min(1)
-    return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
 
 
 def correct(spec: CorrectionSpec, log_rho: torch.Tensor, defined: torch.Tensor, mask: torch.Tensor,
