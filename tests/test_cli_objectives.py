@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from test_cli import _base, _metrics, _train
 
@@ -28,6 +29,9 @@ FAMILIES = {
     "gspo-cispo-style": ["algorithm.loss=gspo", "algorithm.aggregation='seq-mean-token-mean'", "algorithm.clip_low=3e-4",
                          "algorithm.clip_high=4e-4"],
     "cispo": ["algorithm.loss=cispo"],
+    "self-normalised-is": ["correction.preset=tis_snis"],
+    "ewma-proximal": ["correction.preset=tis", "correction.proximal=ewma", "correction.ewma_decay=0.5"],
+    "a3po-proximal": ["correction.preset=tis", "correction.proximal=a3po", "algorithm.minibatches=2"],
     "mc-grpo-kl-sumnorm": ["algorithm.advantage=mc_grpo", "algorithm.group_size=3", "algorithm.kl_coef=0.01",
                            "algorithm.aggregation='seq-mean-token-sum-norm'", "algorithm.minibatches=3",
                            "algorithm.micro_batch_size=1"],
@@ -64,6 +68,15 @@ def test_three_step_run_per_family(tiny_gguf_factory, tmp_path, family):
     assert "CorrectionSpec" in plan["correction"]
     if family == "decoupled-dlc-ais":
         assert 0 <= rows[1]["ais/lambda"] <= 1 and "correction/dlc_center" in rows[1]
+    if family == "self-normalised-is":
+        assert all(row["correction/weight_mean"] == pytest.approx(1.0, rel=1e-4) for row in rows[1:])
+        assert all(row["correction/sn_factor"] > 0 for row in rows[1:])
+    if family == "ewma-proximal":  # 3 steps of one optimizer step each: W = 1 + 0.5 + 0.25 + 0.125
+        from safetensors.torch import load_file
+
+        extra = load_file(str(tmp_path / family / "checkpoints" / "step_000003" / "extra.safetensors"))
+        assert extra["ewma.weight_sum"].item() == 1.875 and all(r["actor/skipped_minibatches"] == 0 for r in rows[1:])
+        assert len(extra) > 2
 
 
 def test_unknown_correction_preset_is_rejected_with_the_valid_names(tmp_path):
@@ -76,5 +89,32 @@ def test_list_prints_every_registry():
     import sys
 
     out = subprocess.run([sys.executable, "-m", "nearpolicy", "list"], capture_output=True, text=True, check=True).stdout
-    for name in ("grpo", "mc_grpo", "ppo_clip", "gspo", "cispo", "tis", "icepop", "geo_rs", "minpro", "bypass_pg_is"):
+    for name in ("grpo", "mc_grpo", "ppo_clip", "gspo", "cispo", "tis", "icepop", "geo_rs", "minpro", "bypass_pg_is",
+                 "tis_snis", "seq_tis_snis"):
         assert f"  {name} " in out
+
+
+def test_ewma_proximal_run_resumes_with_the_saved_average(tiny_gguf_factory, tmp_path):
+    """Two steps, then --resume to three: the step-3 EWMA is one bias-corrected step from the restored step-2
+    EWMA towards the step-3 weights (a restart from the weights would give weight_sum 1.5, not 1.875)."""
+    from safetensors.torch import load_file
+
+    extra = ["engine.precision=q4_0", "correction.proximal=ewma", "correction.ewma_decay=0.5", "logging.keep_checkpoints=5"]
+    proc = _train(_base(tiny_gguf_factory("f32"), tmp_path, "ewma-resume", *extra), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _train([*_base(tiny_gguf_factory("f32"), tmp_path, "ewma-resume", *extra, "run.steps=3"), "--resume"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no PPO-EWMA" not in proc.stdout + proc.stderr
+    ckpt = tmp_path / "ewma-resume" / "checkpoints"
+    e2, e3 = (load_file(str(ckpt / f"step_00000{k}" / "extra.safetensors")) for k in (2, 3))
+    model3 = load_file(str(ckpt / "step_000003" / "model.safetensors"))
+    assert e2["ewma.weight_sum"].item() == 1.75 and e3["ewma.weight_sum"].item() == 1.875
+    checked = 0
+    for key, value in e3.items():
+        name = key.removeprefix("ewma.")
+        if key == "ewma.weight_sum" or name not in model3:
+            continue
+        expected = (0.5 * 1.75 / 1.875) * e2[key].double() + model3[name].double() / 1.875
+        assert torch.allclose(value.double(), expected, rtol=1e-6, atol=1e-7), name
+        checked += 1
+    assert checked > 5

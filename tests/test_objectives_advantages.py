@@ -116,3 +116,12 @@ def test_pivot_excluded_from_loss_and_denominator():
     ref, _ = policy_loss("ppo_clip", PolicyLossInput(lp[rows], old[rows], out.advantages[rows], mask[rows], mask[rows].sum()),
                          PolicyLossParams())
     assert not out.keep[1] and loss.item() == ref.item()
+
+
+def test_std_below_the_floor_is_not_divided_by():
+    """Invariant 6: a group whose std is positive but below 1e-6 keeps its centred rewards (+-5e-9 here) instead
+    of being blown up to +-0.71 by the division; the other group is normalised as usual."""
+    rewards = torch.tensor([1.0, 1.0 + 1e-8, 0.0, 1.0], dtype=torch.float64)
+    adv = compute_advantages("grpo", rewards, torch.tensor([0, 0, 1, 1])).advantages
+    assert torch.allclose(adv[:2], torch.tensor([-5e-9, 5e-9], dtype=torch.float64), rtol=1e-6, atol=0)
+    assert torch.allclose(adv[2:], torch.tensor([-1.0, 1.0], dtype=torch.float64) / math.sqrt(2), rtol=1e-12, atol=0)

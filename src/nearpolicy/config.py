@@ -195,6 +195,16 @@ class CorrectionConfig(Section):
     veto: float | None = Field(None, gt=0, lt=1)
     """Reject a whole sequence when any token ratio is below this."""
     mix: float | None = Field(None, ge=0, le=1)
+    self_normalize: Literal["off", "token", "sequence"] | None = None
+    """Self-normalised IS: divide the weights by their mean over the rollout batch, after truncation and rejection
+    (token: over defined tokens; sequence: over sequences of per-sequence means; verl rollout_is_batch_normalize)."""
+    proximal: Literal["old", "ewma", "a3po"] = "old"
+    """Proximal policy of the decoupled loss (PPO-ratio denominator, mismatch-weight numerator): old = the trainer
+    at the sampling weights; ewma = a model holding the bias-corrected EWMA of the policy weights, updated after
+    every optimizer step (PPO-EWMA); a3po = log-linear interpolation by token staleness (A-3PO). docs/math.md sec. 12.
+    ewma and a3po need mode = 'decoupled'."""
+    ewma_decay: float = Field(0.9, ge=0, lt=1)
+    """PPO-EWMA decay beta, in [0, 1), used with proximal = "ewma" (0 = the current weights: proximal = old)."""
     adaptive_mix: Literal["none", "ais"] = "none"
     """ais: per-batch lambda mixing uncorrected and corrected gradients (docs/math.md, AIS reconstruction)."""
     center: Literal["none", "log_mean", "weight_mean"] = "none"
@@ -211,13 +221,16 @@ class CorrectionConfig(Section):
         if self.center != "none" and spec.mode != "decoupled":
             raise ValueError("correction.center (DLC) needs mode = 'decoupled': in bypass mode the engine's log-probs "
                              "are also the PPO proximal, and shifting them would move the clip window")
+        if self.proximal != "old" and spec.mode != "decoupled":
+            raise ValueError(f"correction.proximal = {self.proximal!r} needs mode = 'decoupled': in bypass mode the "
+                             "engine's log-probs are the proximal")
         return self
 
     def spec(self):
         """The composable CorrectionSpec this section describes. Raises ValueError for inconsistent bounds."""
         from nearpolicy.ops.correction_presets import correction_spec
 
-        fields = ("level", "action", "lower", "upper", "mode", "veto", "mix")
+        fields = ("level", "action", "lower", "upper", "mode", "veto", "mix", "self_normalize")
         overrides = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
         return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
 

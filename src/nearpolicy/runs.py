@@ -58,15 +58,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+EXTRA_TENSORS = "extra.safetensors"
+
+
 class CheckpointError(OSError):
     """A checkpoint could not be written (disk full, permissions); the previous checkpoint is untouched."""
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, keep: int) -> Path:
+                    state: dict, keep: int, extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoints/step_XXXXXX atomically (temporary folder, fsync, rename); returns its path, keeps the newest
-    `keep`. Raises FloatingPointError for non-finite weights (nothing written) and CheckpointError when the write
-    fails (the temporary folder is removed; the message names the previous checkpoint, which is intact)."""
+    `keep`. `extra`: further named tensors (e.g. the PPO-EWMA proximal weights) written to extra.safetensors, read
+    by `load_extra_tensors`. Raises FloatingPointError for non-finite weights (nothing written) and CheckpointError
+    when the write fails (the temporary folder is removed; the message names the previous checkpoint, intact)."""
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
@@ -78,7 +82,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     try:
         _remove_leftovers(root)
         tmp.mkdir()
-        _write_checkpoint_files(tmp, weights, optimizer, {**state, "step": step})
+        _write_checkpoint_files(tmp, weights, optimizer, {**state, "step": step}, extra)
         if final.exists():
             _discard(final)
         os.rename(tmp, final)
@@ -97,12 +101,14 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
 
 
 def _write_checkpoint_files(folder: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                            state: dict) -> None:
+                            state: dict, extra: dict[str, torch.Tensor] | None = None) -> None:
     """model / optimizer / RNG safetensors and trainer_state.json in `folder`, each file and the folder fsynced."""
     _tie_safe_save(weights, folder / "model.safetensors")
     opt_tensors, opt_meta = _flatten_optimizer(optimizer)
     save_file(opt_tensors, str(folder / "optimizer.safetensors"))
     save_file({"torch_rng": torch.get_rng_state()}, str(folder / "rng.safetensors"))
+    if extra:
+        save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(folder / EXTRA_TENSORS))
     write_json(folder / "trainer_state.json", {**state, "optimizer": opt_meta})
     for f in folder.iterdir():
         with f.open("rb") as handle:
@@ -144,6 +150,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     _restore_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state["optimizer"])
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_rng"])
     return state
+
+
+def load_extra_tensors(path: Path) -> dict[str, torch.Tensor] | None:
+    """The checkpoint's extra tensors, or None when it has none (checkpoints written before they existed)."""
+    file = path / EXTRA_TENSORS
+    return load_file(str(file)) if file.exists() else None
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:

@@ -20,6 +20,7 @@ from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
+from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
 from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save_checkpoint, write_json
 from nearpolicy.setup import Session, build_session
 from nearpolicy.signals import StopRequested
@@ -47,7 +48,7 @@ def _update_settings(cfg: Config) -> UpdateSettings:
     params = PolicyLossParams(a.clip_low, a.clip_high, a.dual_clip, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
     constant = a.aggregation_constant or float(cfg.sampling.max_new_tokens)
     return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.loss, params, a.aggregation, constant,
-                          c.spec(), c.center, c.adaptive_mix)
+                          c.spec(), c.center, c.adaptive_mix, c.proximal)
 
 
 class Trainer:
@@ -67,6 +68,7 @@ class Trainer:
         self.state = TrainState()
         self.guard = BadStepGuard(cfg.run.max_bad_steps)
         self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
+        self.ewma = build_proximal_policy(cfg.correction.proximal, self.s.model, cfg.correction.ewma_decay)
         if resume:
             _check_same_config(self.run_dir / "config.json", cfg)
             self._resume()
@@ -174,8 +176,11 @@ class Trainer:
             old_logprobs, entropy = recompute_logprobs(self.s.model, batch, self.sampling, cfg.algorithm.micro_batch_size)
             t["time/recompute"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        prox = None if self.ewma is None else self.ewma.logprobs(batch, self.sampling, cfg.algorithm.micro_batch_size)
         update = policy_update(self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling,
-                               self.settings, sample_keep=adv.keep, ref_model=self.s.ref_model)
+                               self.settings, sample_keep=adv.keep, ref_model=self.s.ref_model, proximal_logprobs=prox,
+                               version=self.state.version,
+                               on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
         old_logprobs = update.old_logprobs
         entropy = entropy if update.entropy is None else update.entropy
         t["time/update"] = time.perf_counter() - t0
@@ -255,8 +260,9 @@ class Trainer:
                  "engine_precision": self.cfg.engine.precision, **self.guard.state()}
         if self.async_rollouts is not None:
             state["scheduler"] = self.async_rollouts.state_dict()
+        extra = None if self.ewma is None else self.ewma.state_tensors()
         self.saved = save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state,
-                                     self.cfg.logging.keep_checkpoints)
+                                     self.cfg.logging.keep_checkpoints, extra=extra)
         return self.saved
 
     def _checkpoint_on_stop(self) -> Path | None:
@@ -273,6 +279,7 @@ class Trainer:
         for path in reversed(list_checkpoints(self.run_dir)):
             try:
                 saved = load_checkpoint(path, self.s.model, self.s.optimizer)
+                restore_proximal(self.ewma, path, self.s.model, self.log)
             except Exception as err:  # noqa: BLE001 - any damage (safetensors header, json, shapes) skips it
                 self.log(f"warning: checkpoint {path} is not loadable ({type(err).__name__}: {err}); trying an older one")
                 continue

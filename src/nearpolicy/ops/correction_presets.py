@@ -65,6 +65,12 @@ _preset("k3_rs_token_tis", CorrectionSpec("token", "truncate", 0.0, 2.0, rejecti
 _preset("token_tis_veto", CorrectionSpec("token", "truncate", 0.5, 2.0, veto=1e-4),
         "token TIS clamped to [0.5, 2]; veto whole sequence if any rho_t < 1e-4",
         "slime/Miles mis.yaml (rs_veto_threshold 1e-4); verl rollout_token_veto_threshold (418f964ab)")
+_preset("tis_snis", CorrectionSpec("token", "truncate", 0.5, 2.0, self_normalize="token"),
+        "token TIS clamped to [0.5, 2], self-normalised: w / mean over the batch's tokens",
+        "slime/Miles mis.yaml (tis_batch_normalize: true); verl rollout_is_batch_normalize")
+_preset("seq_tis_snis", CorrectionSpec("sequence", "truncate", 0.0, 2.0, self_normalize="sequence"),
+        "sequence TIS (cap 2), self-normalised: w / mean over the batch's sequences",
+        VERL + " (decoupled_seq_is with rollout_is_batch_normalize=True)")
 _preset("bypass_ppo_clip", CorrectionSpec(mode="bypass"), "PPO ratio taken against the engine's log-probs, no IS weight",
         VERL + " (bypass_ppo_clip)")
 _preset("bypass_ppo_clip_geo_rs", CorrectionSpec(mode="bypass", rejections=(GEO_RS,)),

@@ -16,6 +16,8 @@ Levels (ratio each valid token's weight is built from):
   prefix_geometric exp(sum_{defined i <= t} log rho_i / #{defined i <= t})   (1 for an empty prefix)
 Actions: off (w = 1), none (w = ratio), truncate (w = clamp(ratio, lower, upper)),
   mask (w = ratio inside [lower, upper], token rejected outside).
+Self-normalisation (after the action and rejections, before mix): w <- w / mean w, the mean over defined tokens
+(token) or over sequences of per-sequence means (sequence), rejected tokens counting 0; docs/math.md sec. 9.
 Rejection rules test a statistic of log rho at token / seq_sum / seq_mean / seq_max level against
 [lower, upper] in the statistic's own units; the veto rejects a whole sequence if any defined rho_t < tau.
 Sources per preset in ops/correction_presets.py; derivations in docs/math.md secs. 4 and 9-11.
@@ -30,6 +32,7 @@ from typing import Literal
 import torch
 
 from nearpolicy.ops.masked import SAFETY_BOUND, clamped_exp, masked_sum, select
+from nearpolicy.ops.self_normalize import SELF_NORMALIZE, self_normalization_factor
 
 CorrectionAction = Literal["off", "none", "truncate", "mask"]
 CorrectionLevel = Literal["token", "sequence", "geometric", "prefix_min", "prefix_geometric"]
@@ -89,7 +92,8 @@ class RejectionRule:
 class CorrectionSpec:
     """A composable mismatch correction (see module docstring). veto: tau in (0, 1) or None.
     prefix_inclusive: prefix_min takes the min over i <= t instead of i < t.
-    mix: AIS-style interpolation w <- (1 - mix) + mix * w, mix in [0, 1] (1 = full correction)."""
+    mix: AIS-style interpolation w <- (1 - mix) + mix * w, mix in [0, 1] (1 = full correction).
+    self_normalize: off / token / sequence self-normalised IS (module docstring, `self_normalization_factor`)."""
 
     level: CorrectionLevel = "token"
     action: CorrectionAction = "off"
@@ -100,9 +104,12 @@ class CorrectionSpec:
     veto: float | None = None
     prefix_inclusive: bool = False
     mix: float = 1.0
+    self_normalize: Literal["off", "token", "sequence"] = "off"
 
     def __post_init__(self) -> None:
         _check_bounds(self.lower, self.upper, "correction")
+        if self.self_normalize not in SELF_NORMALIZE:
+            raise ValueError(f"unknown self_normalize {self.self_normalize!r}; valid: {', '.join(SELF_NORMALIZE)}")
         if self.level not in LEVELS or self.action not in ACTIONS or self.mode not in MODES:
             raise ValueError(f"unknown level / action / mode {self.level!r} / {self.action!r} / {self.mode!r}; "
                              f"valid: {LEVELS}, {ACTIONS}, {MODES}")
@@ -203,12 +210,15 @@ def _rule_name(rule: RejectionRule) -> str:
     return f"{rule.level}_{rule.statistic}"
 
 
-def correct(spec: CorrectionSpec, log_rho: torch.Tensor, defined: torch.Tensor, mask: torch.Tensor) -> CorrectionResult:
+def correct(spec: CorrectionSpec, log_rho: torch.Tensor, defined: torch.Tensor, mask: torch.Tensor,
+            normalizer: torch.Tensor | float | None = None) -> CorrectionResult:
     """Apply a composable correction to a detached log-ratio.
 
     log_rho [B, T] float (nats; 0 at undefined positions, e.g. from `correction_log_ratio`), defined [B, T]
     bool, mask [B, T] bool (valid tokens) -> CorrectionResult. Sequence-level quantities are per row, so the
-    result of a micro-batch equals the matching rows of the full batch. Sources: docs/math.md sec. 9."""
+    result of a micro-batch equals the matching rows of the full batch, except the self-normalisation mean:
+    pass the whole batch's `normalizer` (its metric "correction/sn_factor") to each micro-batch call; without
+    it the mean of this call is used. Sources: docs/math.md sec. 9."""
     mask, defined = mask.bool(), defined.bool() & mask.bool()
     log_rho = select(log_rho.detach(), defined).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     log_w = level_log_ratio(log_rho, defined, spec.level, spec.prefix_inclusive)
@@ -238,6 +248,13 @@ def correct(spec: CorrectionSpec, log_rho: torch.Tensor, defined: torch.Tensor, 
         vetoed = (select(log_rho, defined) < math.log(spec.veto)).any(-1, keepdim=True).expand_as(mask)
         metrics["correction/vetoed"] = masked_sum(vetoed.to(log_rho.dtype), defined) / n_def
         reject = reject | vetoed
+    if spec.self_normalize != "off":
+        factor = normalizer if normalizer is not None else self_normalization_factor(w, mask & ~reject, defined,
+                                                                                     spec.self_normalize)
+        factor = torch.as_tensor(factor, dtype=w.dtype)
+        metrics["correction/sn_factor"] = factor
+        scaled = defined if spec.level == "token" else defined.any(-1, keepdim=True)  # no engine log-prob: w stays
+        w = torch.where(scaled, w / factor, w)
     w = (1 - spec.mix) + spec.mix * w
     keep = mask & ~reject
     weights = torch.where(keep, w, torch.where(mask, torch.zeros_like(w), torch.ones_like(w))).detach()
@@ -255,12 +272,13 @@ def correct(spec: CorrectionSpec, log_rho: torch.Tensor, defined: torch.Tensor, 
 
 def mismatch_correction(
     spec: CorrectionSpec, logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-    mask: torch.Tensor, has_rollout: torch.Tensor,
+    mask: torch.Tensor, has_rollout: torch.Tensor, normalizer: torch.Tensor | float | None = None,
 ) -> tuple[CorrectionResult, torch.Tensor]:
     """`correct` with the log-ratio of spec.mode, plus the proximal log-probs [B, T] the loss's ratio must use
     (old_logprobs in decoupled mode, rollout_logprobs in bypass mode). All inputs [B, T]."""
     log_rho, defined = correction_log_ratio(spec.mode, logprobs, old_logprobs, rollout_logprobs, mask, has_rollout)
-    return correct(spec, log_rho, defined, mask), proximal_logprobs(spec.mode, old_logprobs, rollout_logprobs, has_rollout)
+    result = correct(spec, log_rho, defined, mask, normalizer)
+    return result, proximal_logprobs(spec.mode, old_logprobs, rollout_logprobs, has_rollout)
 
 
 def token_correction_weights(

@@ -116,7 +116,7 @@ def dlc_resync_signal(
 
 def score_centering_term(
     head_logprobs: torch.Tensor, head_rollout_logprobs: torch.Tensor, head_mask: torch.Tensor, mask: torch.Tensor,
-    lower: float | None = None, upper: float | None = None,
+    lower: float | None = None, upper: float | None = None, icepop: bool = False,
 ) -> torch.Tensor:
     """Score-centering term C_t [B, T] (with grad through head_logprobs; 0 at masked positions).
 
@@ -127,14 +127,25 @@ def score_centering_term(
       no IS (lower = upper = None): mass = q, alpha = rho_tail
       token TIS with w = clamp(p / q, lower, upper): mass = clamp(p, lower q, upper q), alpha = clamp(1, lower rho_tail,
       upper rho_tail)
-    The loss adds A_t C_t per token, aggregated like the base loss. With p = q on H, C_t = 0.
-    Source: NeMo-RL docs "score centering" (compute_score_centering_term), citing arXiv:2609.20807 eq. 14."""
+      IcePop (icepop=True) with W(k) = k 1[lower <= k <= upper]: mass = p where lower <= p / q <= upper else 0,
+      alpha = 1 if lower <= 1 / rho_tail <= upper else 0
+    In general mass(v) = q(v) W(p(v) / q(v)) and alpha = rho_tail W(1 / rho_tail) for the token weight W (the tail
+    model q = rho_tail p inside the expectation). The loss adds A_t C_t per token, aggregated like the base loss.
+    With p = q on H (and so rho_tail = 1), C_t = 0 for every variant.
+    Source: NeMo-RL docs "score centering" (compute_score_centering_term), citing arXiv:2609.20807 eq. 14; the
+    docs' IcePop case is truncated, so the IcePop form is our reconstruction from the general rule above
+    (docs/math.md sec. 13)."""
     valid = head_mask.bool() & mask.bool().unsqueeze(-1)
     logp = select(head_logprobs, valid, fill=-math.inf)
     logq = select(head_rollout_logprobs.detach(), valid, fill=-math.inf)
     p, q = logp.detach().exp(), logq.exp()
     rho_tail = (1 - q.sum(-1, keepdim=True)).clamp_min(0) / (1 - p.sum(-1, keepdim=True)).clamp_min(1e-6)
-    if lower is None and upper is None:
+    if icepop:
+        lo, hi = (0.0 if lower is None else lower), (math.inf if upper is None else upper)
+        inside = (p >= lo * q) & (p <= hi * q)  # lo <= p / q <= hi without dividing by q
+        tail_in = (lo * rho_tail <= 1) & (hi * rho_tail >= 1)  # lo <= 1 / rho_tail <= hi
+        mass, alpha = torch.where(inside, p, torch.zeros_like(p)), tail_in.to(p.dtype)
+    elif lower is None and upper is None:
         mass, alpha = q, rho_tail
     else:
         lo = 0.0 if lower is None else lower
