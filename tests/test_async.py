@@ -158,3 +158,19 @@ def test_ray_backend_trains_two_steps_with_two_replicas(tiny_gguf_factory, tmp_p
     rows = _rows(tmp_path / "ray")
     assert [r["step"] for r in rows] == [1, 2] and all(r["staleness/max"] <= 1 for r in rows)
     assert "eval/accuracy" in rows[-1]
+
+
+def test_replica_that_raises_stops_the_run_with_its_traceback(two_versions):
+    from nearpolicy.engine_pool import LocalPool
+    from nearpolicy.engines.base import EngineError
+    from nearpolicy.rollout_service import RolloutService
+
+    v0, _ = two_versions
+    too_long = {0: tuple(range(100, 400))}  # 300 prompt tokens + 24 new > the replica's 256-token context
+    service = RolloutService(RolloutScheduler(1, 1, 0, 24), LocalPool(_spec(v0, 0), 1), too_long.__getitem__,
+                             SAMPLING, 0, 16, str(v0), log=lambda m: None)
+    try:
+        with pytest.raises(EngineError, match="engine replica 0 failed(.|\n)*exceeds the context of 256"):
+            service.next_batch(timeout_s=120)
+    finally:
+        service.close()
