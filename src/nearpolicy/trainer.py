@@ -134,15 +134,11 @@ class Trainer:
     def collect(self) -> tuple[list[Rollout], dict[int, Problem], dict[str, float]]:
         """The step's rollouts and their problems: sampled inline now, or taken from the async replicas."""
         if self.async_rollouts is not None:
-            out = self.async_rollouts.collect(self.state.version, self.resync_pending)
-            self.state.data_position = self.async_rollouts.next_group_id
-            return out
+            return self.async_rollouts.collect(self.state.version, self.resync_pending)
         n = self.cfg.algorithm.prompts_per_step
         problems = [self.s.task.train_problem(self.state.data_position + i) for i in range(n)]
-        rollouts = self.rollout(problems)
         by_group = {self.state.data_position + i: p for i, p in enumerate(problems)}
-        self.state.data_position += n
-        return rollouts, by_group, {}
+        return self.rollout(problems), by_group, {}
 
     def _resync_check(self, batch, old_logprobs: torch.Tensor, defined: torch.Tensor) -> dict[str, float]:
         from nearpolicy.async_rollouts import lag_ess
@@ -189,6 +185,8 @@ class Trainer:
         mismatch |= mismatch_decomposition(update.logprobs, old_logprobs, batch.rollout_logprobs, defined)
         if self.async_rollouts is not None:
             async_metrics |= self._resync_check(batch, old_logprobs, defined)
+        self.state.data_position = (self.async_rollouts.next_group_id if self.async_rollouts is not None
+                                    else self.state.data_position + len(by_group))  # only a completed step counts
         t0 = time.perf_counter()
         self.sync()
         t["time/sync"] = time.perf_counter() - t0
