@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import replace
 
 from nearpolicy.engines.worker import EngineSpec, EngineWorker, process_main
@@ -145,6 +146,7 @@ class RayPool:
 
     def poll(self, timeout: float) -> list[tuple]:
         if not self.pending:
+            time.sleep(timeout)  # nothing in flight: wait like LocalPool does instead of spinning
             return []
         ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=timeout)
         events = []
