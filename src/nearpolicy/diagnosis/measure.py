@@ -86,22 +86,28 @@ def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
     return HFEngine(ctx.model, stop_token_ids(ctx.tokenizer, ctx.model), dtype=candidate.precision)
 
 
+def sample_batch(ctx: DiagnoseContext, engine, sampling: SamplingParams, on_samples=lambda n: None):
+    """Sample group_size responses per prompt (seeded per prompt, so `on_samples` can drive a progress bar);
+    returns (TokenBatch, seconds spent sampling)."""
+    t0 = time.perf_counter()
+    rollouts = []
+    for i, prompt in enumerate(ctx.prompts):
+        rollouts += engine.generate([GenerationRequest(i, tuple(prompt), ctx.group_size)], sampling, ctx.seed + i)
+        on_samples(ctx.group_size)
+    seconds = time.perf_counter() - t0
+    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
+    return collate(rollouts, pad, ctx.model.get_output_embeddings().weight.shape[0]), seconds
+
+
 def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samples=lambda n: None) -> CandidateResult:
-    """Sample len(prompts) x group_size responses from the candidate (seeded, prompt by prompt so `on_samples`
-    can drive a progress bar), recompute the trainer's log-probs and return the mismatch metrics."""
+    """Sample len(prompts) x group_size responses from the candidate, recompute the trainer's log-probs and
+    return the mismatch metrics."""
     sampling = candidate.sampling_params(ctx.sampling)
     engine = build_engine(ctx, candidate)
     try:
-        t0 = time.perf_counter()
-        rollouts = []
-        for i, prompt in enumerate(ctx.prompts):
-            rollouts += engine.generate([GenerationRequest(i, tuple(prompt), ctx.group_size)], sampling, ctx.seed + i)
-            on_samples(ctx.group_size)
-        seconds = time.perf_counter() - t0
+        batch, seconds = sample_batch(ctx, engine, sampling, on_samples)
     finally:
         engine.close()
-    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
-    batch = collate(rollouts, pad, ctx.model.get_output_embeddings().weight.shape[0])
     trainer = recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
     defined = batch.mask & batch.has_rollout
     return summarise(candidate, trainer, batch.rollout_logprobs, defined, ctx.position_bucket, seconds)

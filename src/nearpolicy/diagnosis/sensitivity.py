@@ -12,11 +12,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from nearpolicy.batching import collate
 from nearpolicy.diagnosis.candidates import RolloutCandidate
-from nearpolicy.diagnosis.measure import DiagnoseContext, build_engine
+from nearpolicy.diagnosis.measure import DiagnoseContext, build_engine, sample_batch
 from nearpolicy.ops.diagnostics import mismatch_metrics
-from nearpolicy.types import GenerationRequest
 from nearpolicy.update import recompute_logprobs
 
 
@@ -44,14 +42,13 @@ def reference_samples(ctx: DiagnoseContext, reference: RolloutCandidate) -> Scor
     engine = build_engine(ctx, reference)
     sampling = reference.sampling_params(ctx.sampling)
     try:
-        rollouts = [r for i, p in enumerate(ctx.prompts)
-                    for r in engine.generate([GenerationRequest(i, tuple(p), ctx.group_size)], sampling, ctx.seed + i)]
+        batch, _ = sample_batch(ctx, engine, sampling)
     finally:
         engine.close()
-    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
-    batch = collate(rollouts, pad, ctx.model.get_output_embeddings().weight.shape[0])
     trainer = recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
-    return ScoredSamples([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], trainer, batch.mask)
+    completions = [ids[m].tolist() for ids, m in zip(batch.completion_ids, batch.mask)]
+    prompts = [p for p in ctx.prompts for _ in range(ctx.group_size)]
+    return ScoredSamples(prompts, completions, trainer, batch.mask)
 
 
 def teacher_forced_k3(ctx: DiagnoseContext, candidate: RolloutCandidate, samples: ScoredSamples) -> float:
