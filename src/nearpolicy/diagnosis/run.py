@@ -68,7 +68,8 @@ def run_diagnosis(cfg: Config, settings: DiagnoseSettings, log=print) -> tuple[d
     if settings.propose:
         for c, ok in zip(candidates, verdicts):
             if not ok and c.engine == "llamacpp" and not c.tensor_precision:
-                scans.setdefault(c.precision, _scan(ctx, c.precision, floor, settings))
+                if c.precision not in scans:  # one scan per precision, shared by its candidates
+                    scans[c.precision] = _scan(ctx, c.precision, floor, settings)
                 recipes.append(_find_recipe(ctx, c, scans[c.precision], budget, settings, log))
     report = _report(cfg, settings, ctx, floor_result, results, verdicts, budget, scans, recipes)
     _write(settings.out, report, floor_result, results, verdicts, scans)
