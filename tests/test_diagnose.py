@@ -164,3 +164,33 @@ def test_weights_only_rounds_each_tensor_exactly_as_the_engine_stores_it(tiny_mo
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rounded[hf].shape)
         assert torch.equal(rounded[hf], torch.from_numpy(values.astype("float32")))
         assert not torch.equal(rounded[hf], model.state_dict()[hf])  # the rounding did something
+
+
+def test_propose_scans_each_precision_once_and_keeps_the_admitted_recipe(tiny_model_dir, tmp_path, monkeypatch):
+    """Two rejected q4_0 candidates share one sensitivity scan; the recipe search stops at the first admitted
+    verification (measurements faked: k3 0.1 for plain candidates, 1e-4 once a block is promoted)."""
+    from nearpolicy.diagnosis import run as run_module
+    from nearpolicy.diagnosis.measure import CandidateResult
+
+    scans = []
+
+    def fake_scan(ctx, precision, reference, settings):
+        scans.append(precision)
+        units = [UnitSensitivity("blk.0", "block", 0.05, 0.05, 10), UnitSensitivity("blk.1", "block", 0.01, 0.01, 10)]
+        return {"precision": precision, "reference": reference.spec(), "reference_k3": 0.0, "full_k3": 0.1,
+                "units": [], "_units": units, "sequences": 1}
+
+    def fake_measure(ctx, candidate, on_samples=lambda n: None):
+        k3 = 1e-4 if candidate.tensor_precision or candidate.kv_cache == "f32" else 0.1
+        metrics = {k: 0.0 for k in run_module.COLUMNS[2:]} | {"k3": k3}
+        return CandidateResult(candidate.name, candidate.weights_description(), metrics, {})
+
+    monkeypatch.setattr(run_module, "_scan", fake_scan)
+    monkeypatch.setattr(run_module, "measure_candidate", fake_measure)
+    settings = DiagnoseSettings(candidates=["llamacpp:q4_0", "llamacpp:q4_0,temperature=0.5"], prompts=1,
+                                group_size=1, out=tmp_path / "p", propose=True, progress=False)
+    report, code = run_diagnosis(_cfg(tiny_model_dir), settings, log=lambda msg: None)
+    assert scans == ["q4_0"] and code == 1
+    recipes = [r["recipe"] for r in report["recipes"]]
+    assert [r["promoted"] for r in recipes] == [["blk.0"], ["blk.0"]]  # 0.1 - 0.1 * 5/6 <= 0.8 x budget
+    assert recipes[1]["spec"] == "llamacpp:q4_0,blk.0=f16,temperature=0.5" and recipes[0]["admitted"]
