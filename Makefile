@@ -33,4 +33,4 @@ bench: $(STAMP)
 
 # docs/results.md section 3: the diagnose table, admission verdicts and q4_1 sensitivity of SmolLM2-135M-Instruct
 diagnose: $(STAMP)
-	$(VENV)/bin/nearpolicy diagnose configs/main.toml --out docs/diagnose/smollm2 --sensitivity q4_1 --propose $(ARGS)
+	$(VENV)/bin/nearpolicy diagnose configs/main.toml --set run.threads=1 --out docs/diagnose/smollm2 --sensitivity q4_1 --sensitivity-prompts 4 --propose $(ARGS)
