@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 STEP_KEYS = {"reward/mean", "reward/std", "response/length_mean", "entropy", "mismatch/k1", "mismatch/k3",
              "mismatch/ess", "mismatch/max_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2",
-             "time/rollout", "time/update", "time/sync", "throughput/rollout_tokens_per_s", "actor/loss"}
+             "time/rollout", "time/update", "time/sync", "time/diagnostics", "throughput/rollout_tokens_per_s", "actor/loss"}
 
 
 def _train(args, cwd):
@@ -89,3 +89,12 @@ def test_resume_refuses_a_changed_config_and_skips_a_damaged_checkpoint(tiny_ggu
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_000002 is not loadable" in resumed.stderr and "resumed from" in resumed.stderr
     assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]  # step 2 re-run from the step-1 checkpoint
+
+
+def test_diagnostics_off_drops_the_mismatch_metrics_and_keeps_their_timer(tiny_model_dir, tmp_path):
+    proc = _train(_base(tiny_model_dir, tmp_path, "nodiag", "engine.kind=hf", "run.steps=1",
+                        "logging.diagnostics=false"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = _metrics(tmp_path / "nodiag")[1]
+    assert not any(k.startswith("mismatch/") for k in row)
+    assert row["time/diagnostics"] >= 0 and "actor/loss" in row

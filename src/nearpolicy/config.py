@@ -285,6 +285,9 @@ class LoggingConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     tensorboard: bool = True
     progress: bool = True
+    diagnostics: bool = True
+    """Compute the per-step mismatch metrics (mismatch/*: k1/k2/k3, chi-square, ESS, |delta log p|, the
+    decomposition); their cost is logged as time/diagnostics. Off only to measure that cost (bench/)."""
 
 
 class Config(Section):

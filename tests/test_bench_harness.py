@@ -1,0 +1,101 @@
+"""The benchmark harness's pure parts (bench/harness.py, bench/profiles.py): summaries, FLOP arithmetic, step
+times from metrics rows, ratios, verdicts and the markdown report. No timing is asserted."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import harness  # noqa: E402
+import profiles  # noqa: E402
+
+
+def test_summarize_median_min_max():
+    s = harness.summarize([3.0, 1.0, 2.0, 10.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 10.0, 4)
+    with pytest.raises(ValueError):
+        harness.summarize([])
+
+
+def test_flop_arithmetic():
+    assert harness.gemm_flops_per_s(1000, 2.0) == 1e9
+    # 230 GFLOP/s over 2 x 135M parameters: about 852 tokens/s
+    assert harness.decode_bound_tokens_per_s(230e9, 135_000_000) == pytest.approx(851.85, abs=0.01)
+    # 6 N + 12 layers hidden L: 6 * 100 + 12 * 2 * 4 * 8
+    assert harness.train_flops_per_token(100, 2, 4, 8) == 600 + 768
+
+
+def test_step_times_drop_eval_and_the_warm_up_step():
+    rows = [{"step": 0, "eval/accuracy": 0.3}, {"step": 1, "time/step": 9.0}, {"step": 2, "time/step": 5.0},
+            {"step": 3, "time/step": 7.5, "time/eval": 1.5}]
+    assert harness.step_times(rows) == [5.0, 6.0]
+    assert harness.step_times(rows[:2]) == [9.0]  # one step: nothing to drop
+    assert harness.step_times(rows, skip_first=False) == [9.0, 5.0, 6.0]
+
+
+def test_ratio_and_verdict():
+    a, b = harness.summarize([2.0, 4.0, 3.0]), harness.summarize([6.0, 8.0, 10.0])
+    r = harness.ratio(a, b)
+    assert r == {"median": 3.0 / 8.0, "min": 2.0 / 10.0, "max": 4.0 / 6.0}
+    assert harness.verdict(0.4, 0.5, higher_is_better=False) == "met"
+    assert harness.verdict(0.4, 0.5, higher_is_better=True) == "missed"
+
+
+def test_fmt():
+    assert harness.fmt(harness.summarize([1.0, 2.0, 3.0])) == "2.0 (1.0-3.0)"
+    assert harness.fmt(harness.summarize([0.01]), 3, scale=0.01) == "1.000"
+    assert harness.fmt(None) == "n/a"
+
+
+def _results() -> dict:
+    s = harness.summarize
+    return {
+        "settings": {"threads": 2, "repeats": 3, "quick": False, "prompts": 4, "group": 8, "new_tokens": 128,
+                     "grpo_new_tokens": 64, "lr": 2e-5, "micro_batch": 8, "grpo_steps": 6},
+        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gib": 8.0, "python": "3.11", "torch": "2.13.0",
+                    "transformers": "5", "llama_cpp": "0.3", "trl": "1.16.0", "date": "2026-01-01"},
+        "gemm": {"n": 2048, "gflops": s([200.0, 230.0, 240.0])},
+        "model": {"name": "m", "parameters": 135_000_000},
+        "rollout": {
+            "nearpolicy llamacpp:q8_0": {"name": "nearpolicy llamacpp:q8_0", "tokens_per_s": s([400.0, 420.0, 410.0]),
+                                         "tokens": s([4000, 4000, 4000]), "logprobs": "yes", "peak_rss_kib": 1024**2,
+                                         "profile": {"forward_s": 8.0, "total_s": 10.0, "forward": "llama_decode"}},
+            "transformers-generate": {"name": "transformers-generate", "tokens_per_s": s([100.0, 100.0, 100.0]),
+                                      "tokens": s([4000, 4000, 4000]), "logprobs": "no"},
+        },
+        "grpo": {"nearpolicy": {"step_s": s([10.0, 11.0, 12.0]), "diagnostics_fraction": s([0.001, 0.002, 0.003]),
+                                "phases": {"rollout": s([4.0, 4.0, 4.0]), "update": s([5.0, 5.0, 5.0])}},
+                 "nearpolicy-no-diagnostics": {"step_s": s([10.0, 10.9, 12.0])},
+                 "trl": {"step_s": s([40.0, 44.0, 48.0])}},
+        "trainer": {"batch": 8, "seq_len": 128, "flops_per_token": 1e9, "tokens_per_s": s([120.0, 125.0, 130.0]),
+                    "gflops": s([120.0, 125.0, 130.0]), "profile": [{"op": "aten::mm", "self_ms": 5.0, "share": 0.6}]},
+        "failures": [],
+    }
+
+
+def test_derive_and_render():
+    res = _results()
+    d = harness.derive(res)
+    assert d["decode_bound_tokens_per_s"] == pytest.approx(230e9 / 270e6)
+    assert res["rollout"]["nearpolicy llamacpp:q8_0"]["vs_generate"]["median"] == pytest.approx(4.1)
+    assert d["grpo_step_ratio"]["median"] == pytest.approx(0.25)
+    assert d["trainer_vs_gemm_peak"] == pytest.approx(125.0 / 230.0)
+    md = harness.render_markdown(res, d, "make bench", profiles.notes(res, d))
+    assert "| nearpolicy llamacpp:q8_0 | yes | 410.0 (400.0-420.0) |" in md
+    assert "nearpolicy / TRL step time: **0.25** (0.21-0.30)." in md
+    assert "| GRPO step <= 0.5 x TRL's | 0.25x | met |" in md
+    assert "| trainer forward+backward > 50% of GEMM peak | 54% | met |" in md
+    assert "| diagnostics < 2% of step time | 0.200% | met |" in md
+    assert "Targets missed in this run: " not in md
+    assert "| nearpolicy llamacpp:q8_0 | llama_decode | 80% | 20% |" in md
+    assert "make bench" in md and "Test CPU" in md
+
+
+def test_missed_targets_are_named():
+    res = _results()
+    res["trainer"]["gflops"] = harness.summarize([50.0])
+    d = harness.derive(res)
+    assert "Targets missed in this run: trainer vs GEMM peak." in profiles.notes(res, d)
