@@ -174,3 +174,31 @@ def test_replica_that_raises_stops_the_run_with_its_traceback(two_versions):
             service.next_batch(timeout_s=120)
     finally:
         service.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+def test_replicas_exit_when_the_trainer_is_killed(two_versions):
+    """SIGKILL of the trainer process: its engine replicas notice and exit instead of lingering."""
+    import time
+
+    script = ("import sys, time\nfrom nearpolicy.engine_pool import LocalPool\n"
+              "from nearpolicy.engines.worker import EngineSpec\n"
+              "pool = LocalPool(EngineSpec(sys.argv[1], 0, 256, 16, 1, 'f32', False), 2)\n"
+              "ready = 0\nwhile ready < 2:\n    ready += sum(e[1] == 'ready' for e in pool.poll(1.0))\n"
+              "print(*pool.pids(), flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(two_versions[0])], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and all(_running(p) for p in pids)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 120
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_running(p) for p in pids)

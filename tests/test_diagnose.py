@@ -122,7 +122,8 @@ def test_candidate_strings_round_trip_and_errors():
     assert parse_candidate(c.spec()) == c and c.sampling == {"temperature": 0.7}
     assert c.weights_description() == "q4_1 (blk.0-2=f16) rounded, f32 kernels"
     for bad, words in [("vllm:f16", "llamacpp:<precision>"), ("llamacpp:q2_k", "unknown llamacpp precision"),
-                       ("llamacpp:q4_1,blk.x=f16", "selector"), ("hf:bf16,blk.0=f16", "cannot use option"),
+                       ("llamacpp:q4_1,blk.x=f16", "selector"), ("hf:bf16,blk.0=f16", "cannot use option"), ("hf:bf16,kv_cache=f32", "cannot use option"),
+                       ("hf:fp32,flash_attention=true", "cannot use option"),
                        ("llamacpp:f16,top_p=2", "top_p"), ("llamacpp:f16,top_k=two", "top_k must be a int")]:
         with pytest.raises(ValueError, match=words):
             parse_candidate(bad)

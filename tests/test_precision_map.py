@@ -11,7 +11,7 @@ import torch
 
 from nearpolicy.config import ConfigError, load_config
 from nearpolicy.engines.gguf_export import export_gguf
-from nearpolicy.engines.precision_map import describe, precision_for, round_to_precision, selector_globs
+from nearpolicy.engines.precision_map import describe, precision_for, round_to_precision, validate_selector
 
 
 def test_selectors_and_last_match_wins():
@@ -22,14 +22,16 @@ def test_selectors_and_last_match_wins():
     assert precision_for("blk.2.ffn_down.weight", "q4_1", overrides) == "f32"
     assert precision_for("blk.12.ffn_up.weight", "q4_1", (("blk.1", "f16"),)) == "q4_1"  # blk.1 is not blk.12
     assert precision_for("token_embd.weight", "q4_1", (("embeddings", "f16"),)) == "f16"
-    assert selector_globs("blk.3-4") == ("blk.3.*", "blk.4.*")
+    assert precision_for("blk.4.ffn_up.weight", "q4_1", (("blk.3-4", "f16"),)) == "f16"
+    assert precision_for("blk.5.ffn_up.weight", "q4_1", (("blk.3-4", "f16"),)) == "q4_1"
+    assert precision_for("blk.7.ffn_up.weight", "q4_1", (("blk.0-99999999999", "f16"),)) == "f16"  # not expanded
     assert describe("q4_1", overrides[:1]) == "q4_1 (attention=q8_0)"
 
 
 @pytest.mark.parametrize("bad", ["blocks", "blk.4-2", "attn", ""])
 def test_unknown_selector_is_an_error_naming_it(bad):
     with pytest.raises(ValueError, match="selector|range"):
-        selector_globs(bad)
+        validate_selector(bad)
 
 
 def test_config_validates_tensor_precision():

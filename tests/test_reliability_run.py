@@ -275,3 +275,23 @@ def test_sigint_mid_step_finishes_the_step_and_checkpoints_it(tiny_model_dir, tm
     assert list_checkpoints(trainer.run_dir) == [saved]
     assert json.loads((saved / "trainer_state.json").read_text())["step"] == 2
     assert [json.loads(r)["step"] for r in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def test_resume_past_a_checkpoint_damaged_after_its_weights_restarts_from_the_initial_weights(tiny_model_dir, tmp_path):
+    """The only checkpoint has intact weights but a truncated optimizer file: --resume starts over from step 0 with
+    model.path's weights, not the damaged checkpoint's (a partial load must not leak)."""
+    from nearpolicy.trainer import Trainer
+
+    extra = ("logging.keep_checkpoints=1", "algorithm.lr=0.01", "algorithm.weight_decay=0.5")  # decay moves weights
+    trainer, _ = _trainer(tiny_model_dir, tmp_path, *extra)
+    initial = _weights(trainer)
+    trainer.fit()
+    (ckpt,) = list_checkpoints(trainer.run_dir)
+    assert any(not torch.equal(initial[k], v) for k, v in _weights(trainer).items())  # the weights moved
+    optimizer_file = ckpt / "optimizer.safetensors"
+    optimizer_file.write_bytes(optimizer_file.read_bytes()[:100])
+    logs: list[str] = []
+    resumed = Trainer(_cfg(tiny_model_dir, tmp_path, *extra), resume=True, log=logs.append)
+    assert any("is not loadable" in m for m in logs) and any("starting from step 0" in m for m in logs)
+    assert resumed.state.step == 0
+    assert all(torch.equal(initial[k], v) for k, v in _weights(resumed).items())

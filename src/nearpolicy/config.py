@@ -64,10 +64,10 @@ class EngineConfig(Section):
     @field_validator("tensor_precision")
     @classmethod
     def _selectors_known(cls, value: dict[str, str]) -> dict[str, str]:
-        from nearpolicy.engines.precision_map import selector_globs
+        from nearpolicy.engines.precision_map import validate_selector
 
         for selector in value:
-            selector_globs(selector)
+            validate_selector(selector)
         return value
 
 
@@ -292,9 +292,12 @@ class LoggingConfig(Section):
 
 class Config(Section):
     @model_validator(mode="after")
-    def _async_needs_llamacpp(self) -> "Config":
+    def _sections_agree(self) -> "Config":
         if self.rollout.engines and self.engine.kind != "llamacpp":
             raise ValueError("rollout.engines >= 1 runs llama.cpp replicas: set engine.kind = 'llamacpp'")
+        if self.algorithm.group_size > self.engine.max_parallel_sequences:
+            raise ValueError(f"algorithm.group_size ({self.algorithm.group_size}) exceeds engine.max_parallel_sequences "
+                             f"({self.engine.max_parallel_sequences}): a group is decoded in one batch")
         return self
 
     run: RunConfig = RunConfig()
@@ -363,6 +366,8 @@ def _describe(err: ValidationError, path: Path | None) -> str:
         key = ".".join(str(p) for p in problem["loc"])
         if problem["type"] == "extra_forbidden":
             lines.append(f"unknown key '{key}'")
+        elif not key:  # a rule across sections: its message names the keys
+            lines.append(problem["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})")
     return where + "invalid config: " + "; ".join(lines)

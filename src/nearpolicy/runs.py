@@ -140,15 +140,18 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore model, optimizer and torch RNG in place; returns the trainer state dict."""
+    """Restore model, optimizer and torch RNG in place; returns the trainer state dict. Every file is read before
+    anything is restored, so a damaged file leaves the model untouched (a shape mismatch may still fail midway)."""
     state = json.loads((path / "trainer_state.json").read_text())
     weights = load_file(str(path / "model.safetensors"))
+    optimizer_tensors = load_file(str(path / "optimizer.safetensors"))
+    rng = load_file(str(path / "rng.safetensors"))["torch_rng"]
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if k not in _tied_names(model)]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    _restore_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state["optimizer"])
-    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_rng"])
+    _restore_optimizer(optimizer, optimizer_tensors, state["optimizer"])
+    torch.set_rng_state(rng)
     return state
 
 

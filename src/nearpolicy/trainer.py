@@ -279,12 +279,15 @@ class Trainer:
     def _resume(self) -> None:
         """Continue from the newest loadable checkpoint (a damaged one is reported and skipped); with none,
         start over, keeping the earlier metrics as metrics.before-resume.jsonl."""
-        for path in reversed(list_checkpoints(self.run_dir)):
+        checkpoints = list_checkpoints(self.run_dir)
+        initial = {k: v.clone() for k, v in self.s.model.state_dict().items()} if checkpoints else {}
+        for path in reversed(checkpoints):
             try:
                 saved = load_checkpoint(path, self.s.model, self.s.optimizer)
                 restore_proximal(self.ewma, path, self.s.model, self.log)
             except Exception as err:  # noqa: BLE001 - any damage (safetensors header, json, shapes) skips it
                 self.log(f"warning: checkpoint {path} is not loadable ({type(err).__name__}: {err}); trying an older one")
+                self.s.model.load_state_dict(initial)  # a partial load must not leak into the next attempt
                 continue
             self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
                                     scorer_errors=saved.get("scorer_errors", 0), scheduler=saved.get("scheduler"))

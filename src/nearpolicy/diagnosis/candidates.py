@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from nearpolicy.engines.gguf_export import PRECISIONS
 from nearpolicy.engines.hf import DTYPES
-from nearpolicy.engines.precision_map import describe, selector_globs
+from nearpolicy.engines.precision_map import describe, validate_selector
 from nearpolicy.types import SamplingParams
 
 _SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int}
@@ -80,15 +80,15 @@ def parse_candidate(text: str) -> RolloutCandidate:
             raise ValueError(f"candidate {text!r}: option {option!r} is not key=value")
         if key in _SAMPLING_KEYS:
             sampling[key] = _number(text, key, value, _SAMPLING_KEYS[key])
-        elif key == "kv_cache" and value in ("f16", "f32"):
+        elif key == "kv_cache" and value in ("f16", "f32") and engine == "llamacpp":
             fields["kv_cache"] = value
-        elif key == "flash_attention" and value in ("true", "false"):
+        elif key == "flash_attention" and value in ("true", "false") and engine == "llamacpp":
             fields["flash_attention"] = value == "true"
         elif key == "weights_only" and value in ("true", "false") and engine == "llamacpp":
             fields["weights_only"] = value == "true"
         elif value in PRECISIONS and engine == "llamacpp":
             try:
-                selector_globs(key)
+                validate_selector(key)
             except ValueError as err:
                 raise ValueError(f"candidate {text!r}: {err}") from None
             overrides.append((key, value))

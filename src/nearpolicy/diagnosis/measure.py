@@ -36,6 +36,7 @@ class DiagnoseContext:
     max_context: int = 1024
     micro_batch_size: int = 8
     position_bucket: int = 8
+    max_parallel: int = 64  # engine.max_parallel_sequences
 
 
 @dataclass
@@ -79,11 +80,12 @@ def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
         export_gguf(state, ctx.model.config, path, precision, ctx.template_gguf, tokenizer=ctx.tokenizer,
                     tensor_precision=overrides)
         return LlamaCppEngine(path, max_context=ctx.max_context, threads=ctx.threads, kv_cache=candidate.kv_cache,
-                              flash_attention=candidate.flash_attention)
+                              flash_attention=candidate.flash_attention, max_parallel_sequences=ctx.max_parallel)
     from nearpolicy.engines.hf import HFEngine
     from nearpolicy.setup import stop_token_ids
 
-    return HFEngine(ctx.model, stop_token_ids(ctx.tokenizer, ctx.model), dtype=candidate.precision)
+    return HFEngine(ctx.model, stop_token_ids(ctx.tokenizer, ctx.model), dtype=candidate.precision,
+                    max_parallel_sequences=ctx.max_parallel)
 
 
 def sample_batch(ctx: DiagnoseContext, engine, sampling: SamplingParams, on_samples=lambda n: None):

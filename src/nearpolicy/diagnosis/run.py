@@ -7,6 +7,7 @@ import csv
 import io
 import os
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -48,7 +49,32 @@ def run_diagnosis(cfg: Config, settings: DiagnoseSettings, log=print) -> tuple[d
     admitted, 1 otherwise). Raises ValueError for a bad candidate string (before any model is loaded)."""
     candidates = [parse_candidate(c) for c in settings.candidates]
     floor = parse_candidate(FLOOR)
+    _check_settings(cfg, settings)
     ctx = _context(cfg, settings, log)
+    try:
+        return _diagnose(cfg, settings, ctx, floor, candidates, log)
+    finally:
+        shutil.rmtree(ctx.workdir, ignore_errors=True)  # only the scratch folder this run made
+
+
+def _check_settings(cfg: Config, settings: DiagnoseSettings) -> None:
+    """Every bad setting fails here, before any model is loaded or sample drawn."""
+    if settings.prompts < 1 or settings.group_size < 1:
+        raise ValueError(f"--prompts and --group must be >= 1, got {settings.prompts}, {settings.group_size}")
+    if settings.sensitivity_prompts < 1:
+        raise ValueError(f"--sensitivity-prompts must be >= 1, got {settings.sensitivity_prompts}")
+    if settings.group_size > cfg.engine.max_parallel_sequences:
+        raise ValueError(f"--group {settings.group_size} exceeds engine.max_parallel_sequences "
+                         f"({cfg.engine.max_parallel_sequences}): a group is decoded in one batch")
+    make_budget(1e-9, cfg.sampling.max_new_tokens, absolute=settings.budget_k3,
+                floor_multiple=settings.budget_floor_multiple, seq_ess_min=settings.budget_seq_ess)
+    out = Path(settings.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+
+
+def _diagnose(cfg: Config, settings: DiagnoseSettings, ctx: DiagnoseContext, floor: RolloutCandidate,
+              candidates: list[RolloutCandidate], log) -> tuple[dict, int]:
     bar = tqdm(total=(len(candidates) + 1) * len(ctx.prompts) * ctx.group_size, desc="diagnose sampling",
                disable=not settings.progress, dynamic_ncols=True, unit="sample")
     floor_result = measure_candidate(ctx, floor, bar.update)
@@ -73,7 +99,6 @@ def run_diagnosis(cfg: Config, settings: DiagnoseSettings, log=print) -> tuple[d
                 recipes.append(_find_recipe(ctx, c, scans[c.precision], budget, settings, log))
     report = _report(cfg, settings, ctx, floor_result, results, verdicts, budget, scans, recipes)
     _write(settings.out, report, floor_result, results, verdicts, scans)
-    shutil.rmtree(ctx.workdir, ignore_errors=True)
     log(markdown_table(report))
     return report, 0 if all(verdicts) else 1
 
@@ -85,8 +110,6 @@ def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
     from nearpolicy.setup import chat_prompt_ids
     from nearpolicy.tasks import make_task
 
-    if settings.prompts < 1 or settings.group_size < 1:
-        raise ValueError(f"--prompts and --group must be >= 1, got {settings.prompts}, {settings.group_size}")
     torch.set_num_threads(cfg.run.threads)
     resolved = resolve_model(cfg.model.path)
     model, tokenizer = load_policy(cfg.model.path)
@@ -100,9 +123,12 @@ def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
     prompts = [chat_prompt_ids(tokenizer, t.system_prompt, task.train_problem(i).question) for i in range(settings.prompts)]
     s = cfg.sampling
     sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens)
+    Path(settings.out).mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=".diagnose-engine-", dir=settings.out))  # scratch GGUFs, removed at the end
     return DiagnoseContext(model, tokenizer, resolved.path if resolved.kind == "gguf" else None, prompts,
-                           settings.group_size, sampling, Path(settings.out) / "engine", cfg.run.seed, cfg.run.threads,
-                           cfg.model.max_context, cfg.algorithm.micro_batch_size)
+                           settings.group_size, sampling, workdir, cfg.run.seed, cfg.run.threads,
+                           cfg.model.max_context, cfg.algorithm.micro_batch_size,
+                           max_parallel=cfg.engine.max_parallel_sequences)
 
 
 def load_model_weights(checkpoint: Path, model) -> None:
@@ -118,7 +144,10 @@ def load_model_weights(checkpoint: Path, model) -> None:
         weights = load_file(str(path))
     except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
         raise ValueError(f"cannot read {path}: {err}") from None
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # shape mismatches
+        raise ValueError(f"{path} does not match the model: {str(err).splitlines()[-1].strip()}") from None
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
         raise ValueError(f"{path} does not match the model: missing {sorted(set(missing) - tied)[:3]}, "

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from nearpolicy.engines.precision_map import PrecisionMap, precision_for, selector_globs
+from nearpolicy.engines.precision_map import PrecisionMap, precision_for, selector_matches, validate_selector
 
 _Q = gguf.GGMLQuantizationType
 _F = gguf.LlamaFileType
@@ -112,7 +112,7 @@ def export_gguf(
     for key, v in arch_kv.items():
         writer.add_key_value(key, v.value, v.type)
     for selector, _ in tensor_precision:
-        selector_globs(selector)  # an unknown selector fails before anything is written
+        validate_selector(selector)  # an unknown selector fails before anything is written
 
     def qtype_of(name: str) -> gguf.GGMLQuantizationType:
         default = (embedding_precision or precision) if name in _EMBEDDING else precision
@@ -120,6 +120,11 @@ def export_gguf(
 
     for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype_of, tensor_order, report):
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    for selector, _ in tensor_precision:  # a selector that picks nothing is a typo or the wrong model
+        if not any(selector_matches(selector, name) for name in report.tensor_types):
+            raise ValueError(f"tensor selector {selector!r} matches no tensor of this model ({config.num_hidden_layers} "
+                             f"blocks, blk.0-{config.num_hidden_layers - 1}"
+                             f"{'; the output head is tied to the embeddings' if 'output.weight' not in report.tensor_types else ''})")
 
     fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
     os.close(fd)

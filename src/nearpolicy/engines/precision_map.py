@@ -25,27 +25,35 @@ _BLOCKS = re.compile(r"^blk\.(\d+)(?:-(\d+))?$")
 PrecisionMap = Sequence[tuple[str, str]]
 
 
-def selector_globs(selector: str) -> tuple[str, ...]:
-    """GGUF-name globs a selector stands for. Raises ValueError for an unknown selector word or a bad range."""
-    if selector in KIND_SELECTORS:
-        return KIND_SELECTORS[selector]
+def validate_selector(selector: str) -> None:
+    """Raises ValueError for an unknown selector word or a block range that ends before it starts."""
+    if selector in KIND_SELECTORS or "*" in selector or "?" in selector or selector.endswith(".weight"):
+        return
+    m = _BLOCKS.match(selector)
+    if not m:
+        raise ValueError(f"unknown tensor selector {selector!r}: use {', '.join(KIND_SELECTORS)}, blk.N, blk.N-M or a "
+                         "glob on GGUF tensor names such as 'blk.3.ffn_*'")
+    if m.group(2) is not None and int(m.group(2)) < int(m.group(1)):
+        raise ValueError(f"block range {selector!r} ends before it starts")
+
+
+def selector_matches(selector: str, tensor_name: str) -> bool:
+    """Whether a selector picks the GGUF tensor `tensor_name` (a block range is compared, never expanded)."""
+    validate_selector(selector)
     m = _BLOCKS.match(selector)
     if m:
-        first, last = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
-        if last < first:
-            raise ValueError(f"block range {selector!r} ends before it starts")
-        return tuple(f"blk.{i}.*" for i in range(first, last + 1))
-    if "*" in selector or "?" in selector or selector.endswith(".weight"):
-        return (selector,)
-    raise ValueError(f"unknown tensor selector {selector!r}: use {', '.join(KIND_SELECTORS)}, blk.N, blk.N-M or a "
-                     "glob on GGUF tensor names such as 'blk.3.ffn_*'")
+        block = re.match(r"^blk\.(\d+)\.", tensor_name)
+        last = m.group(2) if m.group(2) is not None else m.group(1)
+        return block is not None and int(m.group(1)) <= int(block.group(1)) <= int(last)
+    globs = KIND_SELECTORS.get(selector, (selector,))
+    return any(fnmatch.fnmatchcase(tensor_name, g) for g in globs)
 
 
 def precision_for(tensor_name: str, default: str, overrides: PrecisionMap) -> str:
     """The precision of one GGUF tensor: the last (selector, precision) pair that matches it, else `default`."""
     chosen = default
     for selector, precision in overrides:
-        if any(fnmatch.fnmatchcase(tensor_name, g) for g in selector_globs(selector)):
+        if selector_matches(selector, tensor_name):
             chosen = precision
     return chosen
 

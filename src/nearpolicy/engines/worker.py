@@ -87,21 +87,29 @@ class EngineWorker:
 def process_main(worker_id: int, spec: EngineSpec, inbox, outbox, interrupt_event) -> None:
     """Entry point of a local worker process: serve run / load / stop messages until told to stop. Ctrl-C reaches
     the whole process group; the trainer decides how to stop (signals.py), so the replica ignores it."""
+    import os
+    import queue
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    orphaned = lambda: os.getppid() != parent  # noqa: E731 - the trainer was killed (SIGKILL): stop, do not linger
     try:
         worker = EngineWorker(spec)
     except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
         outbox.put((worker_id, "error", traceback.format_exc()))
         return
     outbox.put((worker_id, "ready", spec.version))
-    while True:
-        kind, payload = inbox.get()
+    while not orphaned():
+        try:
+            kind, payload = inbox.get(timeout=1.0)
+        except queue.Empty:
+            continue
         try:
             if kind == "run":
                 call_id, jobs, sampling, seed = payload
-                outbox.put((worker_id, "results", (call_id, worker.run(jobs, sampling, seed, interrupt_event.is_set))))
+                stop = lambda: interrupt_event.is_set() or orphaned()  # noqa: E731
+                outbox.put((worker_id, "results", (call_id, worker.run(jobs, sampling, seed, stop))))
             elif kind == "load":
                 worker.load(*payload)
                 interrupt_event.clear()
