@@ -143,6 +143,11 @@ def test_async_training_bounds_staleness_resyncs_and_resumes(tiny_gguf_factory, 
             assert after["staleness/fresh_only"] == 1 and after["staleness/off_policy_token_frac"] == 0
     state = json.loads((tmp_path / "async" / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
     assert state["scheduler"]["version"] == 4 and state["scheduler"]["consumed_groups"] == 8
+    from nearpolicy.report import write_report
+
+    write_report([tmp_path / "async"], tmp_path / "async.html")
+    staleness = (tmp_path / "async.html").read_text().split(">Staleness<")[1].split("<h2")[0]
+    assert "<img" in staleness and "synchronous run" not in staleness  # the report reads the trainer's keys
     resumed = _train(_base(model, tmp_path, "async", *extra, "run.steps=5") + ["--resume"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in _rows(tmp_path / "async")] == [1, 2, 3, 4, 5]

@@ -87,3 +87,21 @@ def test_quantiles_positions_and_sequence_ess_match_loops():
     expected = sum(seq_w) ** 2 / (3 * sum(w * w for w in seq_w))  # row 3 has no token: left out
     assert float(sequence_ess(pi, mu, defined)) == pytest_approx(expected)
     assert float(sequence_ess(pi, mu, torch.zeros_like(defined))) == 1.0
+
+
+def test_k3_standard_error_matches_the_cluster_formula_by_hand():
+    from nearpolicy.ops.diagnostics import k3_standard_error
+
+    pi, mu, defined = _inputs()
+    per_seq = []
+    for i in range(4):
+        log_r = [float(pi[i, t] - mu[i, t]) for t in range(10) if defined[i, t]]
+        if log_r:
+            per_seq.append((sum(math.exp(x) - 1 - x for x in log_r), len(log_r)))
+    total_s, total_n, m = sum(s for s, _ in per_seq), sum(n for _, n in per_seq), len(per_seq)
+    k3 = total_s / total_n
+    expected = math.sqrt(m / (m - 1) * sum((s - k3 * n) ** 2 for s, n in per_seq)) / total_n
+    assert float(k3_standard_error(pi, mu, defined)) == pytest_approx(expected)
+    one_row = torch.zeros_like(defined)
+    one_row[0, :3] = True
+    assert float(k3_standard_error(pi, mu, one_row)) == 0.0

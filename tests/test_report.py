@@ -115,19 +115,21 @@ def test_panel_without_drawable_values_is_still_an_image(title: str, key: str, v
 def test_lag_components_and_staleness_are_drawn_when_recorded(tmp_path: Path):
     rows = [{"step": s, "mismatch/k3": 1.0, "mismatch/discrepancy_k3": 0.001 * s, "mismatch/lag_k3": 0.01,
              "mismatch/total_k3": 0.011, "mismatch/discrepancy_ess": 0.99, "mismatch/lag_ess": 0.9,
-             "policy/staleness_mean": 0.5, "policy/staleness_max": 1.0} for s in (1, 2, 3)]
+             "mismatch/fresh_k3": 0.001, "mismatch/stale_k3": 0.02,
+             "staleness/mean": 0.5, "staleness/max": 1.0} for s in (1, 2, 3)]
     run = load_run(_write_run(tmp_path / "async", rows))
     mismatch: Panel = PANELS[2]
     assert [(series.label, key) for series, key in mismatch.lines(run)] == [
         ("numerical discrepancy", "mismatch/discrepancy_k3"), ("policy lag", "mismatch/lag_k3"),
-        ("total", "mismatch/total_k3")]
+        ("total", "mismatch/total_k3"), ("current-version tokens (async)", "mismatch/fresh_k3"),
+        ("older-version tokens (async)", "mismatch/stale_k3")]
     assert run_summary(run)["median k3 (discrepancy)"] == "0.002 nats"  # discrepancy_k3, not the older k3
     assert main(["report", str(tmp_path / "async")]) == 0
     sections = _sections((tmp_path / "async" / "report.html").read_text())
     assert "not recorded" not in sections["Mismatch k3 by component (log scale)"]
     assert "not recorded" not in sections["Effective sample size"]
     assert "data:image/png" in sections["Staleness"]
-    assert "off-policy token fraction (policy/off_policy_token_frac): not recorded" in sections["Staleness"]
+    assert "off-policy token fraction (staleness/off_policy_token_frac): not recorded" in sections["Staleness"]
 
 
 def test_main_job_report_from_metrics_alone(main_job_run: Path):
@@ -147,7 +149,7 @@ def test_compare_overlays_runs_and_names_what_one_lacks(tmp_path: Path, monkeypa
                                                    for row in _fake_rows()])
     monkeypatch.chdir(tmp_path)
     assert main(["compare", str(first), str(second)]) == 0
-    page = (tmp_path / "compare.html").read_text()
+    page = (tmp_path / "runs" / "compare.html").read_text()  # the default output
     assert "<h1>nearpolicy compare: run-a, run-b</h1>" in page
     assert "<td>run-a</td>" in page and "<td>run-b</td>" in page
     assert "entropy (entropy): not recorded in run-b" in _sections(page)["Entropy"]
@@ -190,7 +192,7 @@ def test_unreadable_run_exits_2_naming_the_file(fake_run: Path, capsys: pytest.C
 
 
 def test_unwritable_output_exits_2(fake_run: Path, capsys: pytest.CaptureFixture):
-    out = fake_run / "missing-folder" / "report.html"
+    out = fake_run / "metrics.jsonl" / "report.html"  # under a file: no folder can be made
     assert main(["report", str(fake_run), "-o", str(out)]) == 2
     assert f"error: cannot write {out}" in capsys.readouterr().err
 

@@ -68,6 +68,9 @@ def _summary(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except UnicodeDecodeError:
+        print(f"error: {args.run_dir / 'metrics.jsonl'} is not UTF-8 text", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -168,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_report)
     compare = sub.add_parser("compare", help="self-contained HTML report overlaying several run folders")
     compare.add_argument("run_dirs", type=Path, nargs="+", metavar="run_dir")
-    compare.add_argument("-o", "--output", type=Path, default=Path("compare.html"),
-                         help="HTML file to write (default compare.html)")
+    compare.add_argument("-o", "--output", type=Path, default=Path("runs/compare.html"),
+                         help="HTML file to write (default runs/compare.html)")
     compare.set_defaults(func=_compare)
     _add_diagnose(sub)
     return parser

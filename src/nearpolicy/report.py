@@ -152,15 +152,17 @@ PANELS = (
     Panel("Reward", "reward (mean ± std over samples)", (Series("reward", ("reward/mean",), band="reward/std"),)),
     Panel("Eval accuracy", "accuracy (greedy, held-out)", (Series("eval accuracy", ("eval/accuracy",)),)),
     Panel("Mismatch k3 by component (log scale)", "k3 estimate of KL (nats / token)",
-          (DISCREPANCY_K3, Series("policy lag", ("mismatch/lag_k3",)), Series("total", ("mismatch/total_k3",))),
+          (DISCREPANCY_K3, Series("policy lag", ("mismatch/lag_k3",)), Series("total", ("mismatch/total_k3",)),
+           Series("current-version tokens (async)", ("mismatch/fresh_k3",)),
+           Series("older-version tokens (async)", ("mismatch/stale_k3",))),
           log_y=True),
     Panel("Effective sample size", "normalised ESS",
           (Series("numerical discrepancy", ("mismatch/discrepancy_ess", "mismatch/ess")),
            Series("policy lag", ("mismatch/lag_ess",)))),
     Panel("Clip and mask fractions", "fraction of tokens", match=_is_fraction),
     Panel("Staleness", "policy versions behind / fraction",
-          (Series("staleness mean", ("policy/staleness_mean",)), Series("staleness max", ("policy/staleness_max",)),
-           Series("off-policy token fraction", ("policy/off_policy_token_frac",))),
+          (Series("staleness mean", ("staleness/mean",)), Series("staleness max", ("staleness/max",)),
+           Series("off-policy token fraction", ("staleness/off_policy_token_frac",))),
           missing=f"{NOT_RECORDED} (a synchronous run samples every rollout from the current weights)"),
     Panel("Throughput", "tokens / s", match=lambda key: key.startswith("throughput/")),
     Panel("Phase timings", "seconds", match=lambda key: key.startswith("time/")),
@@ -230,10 +232,11 @@ def _missing_notes(panel: Panel, runs: Sequence[Run]) -> list[str]:
 # -- header table and page -------------------------------------------------------------------------------------------
 def run_summary(run: Run) -> dict[str, str]:
     """The header row of a run: name, model, engine, steps, final and peak eval accuracy, median k3, total time."""
-    model = run.config.get("model", {}).get("path") or Path(run.plan.get("model_file", "")).name
+    section = lambda name: run.config.get(name) if isinstance(run.config.get(name), dict) else {}  # noqa: E731
+    model = section("model").get("path") or Path(str(run.plan.get("model_file", ""))).name
     engine = run.plan.get("engine") or "unknown (no plan.json)"
     steps = max(row["step"] for row in run.rows)
-    planned = run.config.get("run", {}).get("steps")
+    planned = section("run").get("steps")
     evals = list(zip(*run.series("eval/accuracy")))
     k3_key = DISCREPANCY_K3.key_in(run)
     k3 = run.series(k3_key)[1] if k3_key else []
@@ -288,6 +291,7 @@ def write_report(run_dirs: Sequence[Path], out: Path) -> list[str]:
     runs = _distinct_names([load_run(Path(d)) for d in run_dirs], run_dirs)
     page = render_html(runs)
     try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(page)
     except OSError as err:
         raise ReportError(f"cannot write {out}: {err}") from None

@@ -58,6 +58,8 @@ class Trainer:
         existing = list_checkpoints(self.run_dir) or (self.run_dir / "metrics.jsonl").exists()
         if existing and not resume:
             raise RunExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or set run.name")
+        if resume:  # refuse a changed config before the minutes of loading
+            _check_same_config(self.run_dir / "config.json", cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.run.seed)
         self.s: Session = build_session(cfg, self.run_dir, log)
@@ -70,7 +72,6 @@ class Trainer:
         self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
         self.ewma = build_proximal_policy(cfg.correction.proximal, self.s.model, cfg.correction.ewma_decay)
         if resume:
-            _check_same_config(self.run_dir / "config.json", cfg)
             self._resume()
         self.resync_pending = False  # DLC: the next batch must come from the newest weights
         self.inline_version = self.state.version  # the weights the in-process engine (evaluation) holds
@@ -223,6 +224,7 @@ class Trainer:
         bar = tqdm(total=cfg.run.steps, initial=self.state.step, desc=cfg.run.name, disable=not cfg.logging.progress,
                    dynamic_ncols=True)
         if self.state.step == 0:
+            self.log(f"step 0: greedy eval on {len(self.s.task.eval_problems())} held-out problems...")
             first = self.evaluate()
             self.metrics.write(0, first)
             self.log(f"step 0 eval accuracy {first['eval/accuracy']:.3f}")

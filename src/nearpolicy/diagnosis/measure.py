@@ -14,8 +14,8 @@ from nearpolicy.batching import collate
 from nearpolicy.diagnosis.candidates import RolloutCandidate
 from nearpolicy.engines.gguf_export import tensor_precision
 from nearpolicy.engines.precision_map import round_to_precision
-from nearpolicy.ops.diagnostics import (logprob_diff_quantiles, mismatch_by_position, mismatch_metrics,
-                                        sequence_ess)
+from nearpolicy.ops.diagnostics import (k3_standard_error, logprob_diff_quantiles, mismatch_by_position,
+                                        mismatch_metrics, sequence_ess)
 from nearpolicy.types import GenerationRequest, SamplingParams
 from nearpolicy.update import recompute_logprobs
 
@@ -122,6 +122,7 @@ def summarise(candidate: RolloutCandidate, trainer_logprobs: torch.Tensor, rollo
     q = logprob_diff_quantiles(trainer_logprobs, rollout_logprobs, defined)
     metrics = {k: float(m[k]) for k in ("k1", "k3", "chi2", "ess", "prob_corr", "frac_ratio_outside_0.5_2")}
     metrics |= {f"abs_logprob_diff_{k}": float(v) for k, v in q.items()}
+    metrics["k3_se"] = float(k3_standard_error(trainer_logprobs, rollout_logprobs, defined))
     metrics["seq_ess"] = float(sequence_ess(trainer_logprobs, rollout_logprobs, defined))
     metrics["tokens"] = float(m["tokens"])
     metrics["sequences"] = float(defined.any(-1).sum())

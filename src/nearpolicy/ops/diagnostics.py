@@ -151,3 +151,20 @@ def sequence_ess(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: 
     if log_w.numel() == 0:
         return torch.ones((), dtype=torch.float64)
     return (2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0)).exp() / log_w.numel()
+
+
+def k3_standard_error(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor) -> torch.Tensor:
+    """Standard error (nats / token, float64) of the token-mean k3 over [B, T] inputs, with sequences as clusters
+    (tokens of one response are not independent): with S_i the sum of k3 terms and n_i the tokens of sequence i,
+    k3 = sum S / sum n and se = sqrt(m / (m - 1) * sum_i (S_i - k3 n_i)^2) / sum n over the m sequences with a
+    defined token (the ratio-estimator variance). 0 with fewer than two such sequences."""
+    defined = defined.bool()
+    log_r = (select(pi_logprobs.double(), defined) - select(mu_logprobs.double(), defined)).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    terms = select(log_r.exp() - 1 - log_r, defined)
+    rows = defined.any(-1)
+    sums, counts = terms.sum(-1)[rows], defined.sum(-1)[rows].double()
+    m = sums.numel()
+    if m < 2:
+        return torch.zeros((), dtype=torch.float64)
+    k3 = sums.sum() / counts.sum()
+    return (m / (m - 1) * ((sums - k3 * counts) ** 2).sum()).sqrt() / counts.sum()
