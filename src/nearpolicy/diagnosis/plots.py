@@ -20,6 +20,9 @@ def sensitivity_chart(units: list[UnitSensitivity], precision: str, reference: s
     fig, ax = plt.subplots(figsize=(7, 0.22 * len(ranked) + 1.5))
     colours = ["tab:orange" if u.kind == "tensor kind" else "tab:blue" for u in ranked]
     ax.barh([u.unit for u in ranked], [u.added_k3 for u in ranked], color=colours)
+    positive = [u.added_k3 for u in ranked if u.added_k3 > 0]
+    if positive and max(positive) > 100 * min(positive):  # one unit dwarfs the rest: a log axis shows them all
+        ax.set_xscale("symlog", linthresh=min(positive))
     ax.set_xlabel("k3 KL added (nats / token, teacher-forced)")
     ax.set_title(f"Sensitivity: one unit at {precision}, the rest at {reference}\n(blue: block, orange: tensor kind)",
                  fontsize=10)
