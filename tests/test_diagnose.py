@@ -36,6 +36,8 @@ def test_f32_admitted_near_zero_and_perturbed_engine_rejected(tiny_model_dir, tm
         return {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) if v.ndim >= 2 else v for k, v in state.items()}
 
     monkeypatch.setattr(measure, "engine_state_dict", perturbed)
+    (tmp_path / "diag" / "engine").mkdir(parents=True)
+    (tmp_path / "diag" / "engine" / "notes.txt").write_text("the user's")  # diagnose must not touch it
     settings = DiagnoseSettings(candidates=["llamacpp:f32,kv_cache=f32", "llamacpp:f16"], prompts=3, group_size=2,
                                 out=tmp_path / "diag", progress=False)
     report, code = run_diagnosis(_cfg(tiny_model_dir), settings, log=lambda msg: None)
@@ -49,6 +51,8 @@ def test_f32_admitted_near_zero_and_perturbed_engine_rejected(tiny_model_dir, tm
     assert len(rows) == 4 and rows[0].startswith("candidate,weights,k1,k3") and rows[3].endswith("False")
     assert (tmp_path / "diag" / "position.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "diag" / "diagnose.json").read_text())["candidates"][0]["admitted"] is True
+    assert (tmp_path / "diag" / "engine" / "notes.txt").read_text() == "the user's"
+    assert not list((tmp_path / "diag").glob(".diagnose-engine-*"))  # its own scratch folder is gone
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +199,17 @@ def test_propose_scans_each_precision_once_and_keeps_the_admitted_recipe(tiny_mo
     recipes = [r["recipe"] for r in report["recipes"]]
     assert [r["promoted"] for r in recipes] == [["blk.0"], ["blk.0"]]  # 0.1 - 0.1 * 5/6 <= 0.8 x budget
     assert recipes[1]["spec"] == "llamacpp:q4_0,blk.0=f16,temperature=0.5" and recipes[0]["admitted"]
+
+
+def test_weights_of_another_shape_are_a_clear_error(tiny_model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    from nearpolicy.diagnosis.run import load_model_weights
+    from nearpolicy.models import load_policy
+
+    model, _ = load_policy(str(tiny_model_dir))
+    weights = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:10]
+    save_file(weights, str(tmp_path / "wrong.safetensors"))
+    with pytest.raises(ValueError, match="does not match the model"):
+        load_model_weights(tmp_path / "wrong.safetensors", model)

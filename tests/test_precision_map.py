@@ -66,3 +66,14 @@ def test_round_to_precision_is_idempotent_and_bounded():
     assert 0 < np.abs(once - w).max()
     odd = w[:, :40]
     assert np.array_equal(round_to_precision(odd, "q4_1"), odd)  # rows not a multiple of 32: unchanged
+
+
+def test_a_selector_that_matches_no_tensor_is_refused(tiny_model_dir: Path, smollm2_gguf: Path, tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    for selector in ("blk.7", "output"):  # 2 blocks; the output head is tied to the embeddings
+        with pytest.raises(ValueError, match=f"'{selector}' matches no tensor of this model"):
+            export_gguf(model.state_dict(), model.config, tmp_path / "x.gguf", "q8_0", smollm2_gguf,
+                        tensor_precision=((selector, "f16"),))
+    assert not list(tmp_path.iterdir())  # nothing written
