@@ -27,8 +27,7 @@ class Session:
 
     @property
     def pad_id(self) -> int:
-        tok = self.tokenizer
-        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return pad_token_id(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -45,6 +44,11 @@ class Session:
             self.engine.update_weights(path, version)
         else:
             self.engine.update_weights(self.model.state_dict(), version)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its EOS token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def chat_prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:

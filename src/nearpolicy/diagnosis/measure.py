@@ -97,8 +97,9 @@ def sample_batch(ctx: DiagnoseContext, engine, sampling: SamplingParams, on_samp
         rollouts += engine.generate([GenerationRequest(i, tuple(prompt), ctx.group_size)], sampling, ctx.seed + i)
         on_samples(ctx.group_size)
     seconds = time.perf_counter() - t0
-    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
-    return collate(rollouts, pad, ctx.model.get_output_embeddings().weight.shape[0]), seconds
+    from nearpolicy.setup import pad_token_id
+
+    return collate(rollouts, pad_token_id(ctx.tokenizer), ctx.model.get_output_embeddings().weight.shape[0]), seconds
 
 
 def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samples=lambda n: None) -> CandidateResult:
