@@ -10,13 +10,20 @@ import sys
 from pathlib import Path
 
 
-def _train(args: argparse.Namespace) -> int:
+def _load_config(args: argparse.Namespace):
+    """The validated config of `args.config` + `--set`, or None after printing the error (exit code 2)."""
     from nearpolicy.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, args.set or [])
+        return load_config(args.config, args.set or [])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        return None
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)
+    if cfg is None:
         return 2
     from nearpolicy.trainer import RunExistsError, Trainer
 
@@ -97,14 +104,11 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from nearpolicy.config import ConfigError, load_config
     from nearpolicy.diagnosis.run import DiagnoseSettings, run_diagnosis
     from nearpolicy.engines.base import EngineError
 
-    try:
-        cfg = load_config(args.config, args.set or [])
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+    cfg = _load_config(args)
+    if cfg is None:
         return 2
     settings = DiagnoseSettings(
         candidates=args.candidates or DiagnoseSettings().candidates, prompts=args.prompts, group_size=args.group,
