@@ -330,3 +330,17 @@ def test_graceful_stop_first_signal_is_a_request_second_aborts_handlers_restored
     assert signal.getsignal(signal.SIGINT) is before
     assert StopRequested(signal.SIGINT, 3, Path("c/step_000003")).exit_code == 130
     assert str(StopRequested(signal.SIGTERM, 0, None)) == "stopped by SIGTERM at step 0; no step completed, nothing saved"
+
+
+@pytest.mark.parametrize("override, named", [("task.name=no_such_dataset", "no_such_dataset"),
+                                             ("distill.teacher='/no/such/teacher.gguf'", "distill.teacher")])
+def test_bad_task_or_teacher_fails_before_the_policy_loads(tmp_path, monkeypatch, override, named):
+    import nearpolicy.models
+    from nearpolicy.setup import build_session
+
+    def policy_must_not_load(*_a, **_k):
+        raise AssertionError("the policy was loaded before the config was checked")
+
+    monkeypatch.setattr(nearpolicy.models, "load_policy", policy_must_not_load)
+    with pytest.raises(ValueError, match=named):
+        build_session(load_config(None, [override]), tmp_path, print)

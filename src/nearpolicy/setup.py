@@ -95,11 +95,17 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
 
     torch.set_num_threads(cfg.run.threads)
     resolved = resolve_model(cfg.model.path)
-    model, tokenizer = load_policy(cfg.model.path)
-    model.float()
+    # the task and the teacher's path are checked before the policy loads (tens of seconds), so a typo fails fast
     t = cfg.task
     task = make_task(t.kind, name=t.name, options=t.resolved_options(), path=t.path, train_size=t.train_size,
                      eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines)
+    if cfg.distill.teacher is not None:
+        try:
+            resolve_model(cfg.distill.teacher)
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(f"distill.teacher: {err}") from None
+    model, tokenizer = load_policy(cfg.model.path)
+    model.float()
     a = cfg.algorithm
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
     template = resolved.path if resolved.kind == "gguf" else None
