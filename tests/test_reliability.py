@@ -318,13 +318,15 @@ def test_fuzz_reward_path_scores_0_or_1_and_never_raises(tmp_path, response, ref
 
 
 # ---------------------------------------------------------------- SIGINT / SIGTERM
-def test_graceful_stop_first_signal_is_a_request_second_aborts_handlers_restored():
+def test_graceful_stop_first_signal_is_a_request_second_aborts_handlers_restored(capsys):
     from nearpolicy.signals import GracefulStop, StopRequested
 
     before = signal.getsignal(signal.SIGINT)
     with GracefulStop() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.signum == signal.SIGTERM
+        said = capsys.readouterr().err
+        assert said.startswith("\nSIGTERM: stopping after the step in progress") and "again to abort" in said
         with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before

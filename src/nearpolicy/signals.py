@@ -5,6 +5,7 @@ checkpoint already on disk."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -48,3 +49,6 @@ class GracefulStop:
         if self.signum is not None:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting the step in progress")
         self.signum = signum
+        # said at once (on its own line, not the progress bar's) because the step in progress may take a while
+        sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after the step in progress and checkpointing it; "
+                         "send it again to abort now\n")

@@ -223,6 +223,13 @@ class Trainer:
 
         bar = tqdm(total=cfg.run.steps, initial=self.state.step, desc=cfg.run.name, disable=not cfg.logging.progress,
                    dynamic_ncols=True)
+        try:
+            return self._fit(stop, bar)
+        finally:
+            bar.close()  # before any stop or error message, so that message gets its own line
+
+    def _fit(self, stop, bar) -> Path:
+        cfg = self.cfg
         if self.state.step == 0:
             self.log(f"step 0: greedy eval on {len(self.s.task.eval_problems())} held-out problems...")
             first = self.evaluate()
@@ -248,7 +255,6 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
                             acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
-        bar.close()
         self.metrics.close()
         self.close()
         return self.run_dir
