@@ -56,6 +56,21 @@ def test_sample_rows_draws_from_the_transformed_distribution_and_returns_its_log
     assert np.allclose(counts / counts.sum(), [0.2, 0.5, 0.3], atol=0.015)
 
 
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_p=0.8)],
+                         ids=["temperature", "top_p"])
+def test_sample_rows_each_row_of_a_batch_follows_its_own_transformed_distribution(sp):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, size=(3, 6)).astype(np.float32)
+    want = np.exp(np.stack([np_transform(row, sp) for row in logits]))
+    counts = np.zeros_like(want)
+    for _ in range(4000):
+        ids, lps = sample_rows(logits, sp, rng)
+        counts[np.arange(3), ids] += 1
+        assert np.allclose(lps, np.log(want[np.arange(3), ids]), atol=1e-6)
+    assert np.abs(counts / 4000 - want).max() < 0.03  # 4000 draws: 3 standard errors of p = 0.5 is 0.024
+    assert (counts[want == 0] == 0).all()
+
+
 def test_sampled_token_outside_top_k_is_impossible():
     logits = np.tile(np.array([[0.0, 5.0, 4.9, -1.0]]), (2000, 1))
     ids, _ = sample_rows(logits, SamplingParams(top_k=2), np.random.default_rng(0))

@@ -35,12 +35,23 @@ def _logsumexp(x: np.ndarray) -> float:
 
 
 def sample_rows(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Sample one token per row. logits [N, V] -> (ids [N] int64, log-probs [N] float64, nats)."""
+    """Sample one token per row. logits [N, V] float32 -> (ids [N] int64, log-probs [N] float64, nats).
+
+    Inverse-CDF sampling: one uniform per row against the cumulative probabilities. A Gumbel-max draw needs N x V
+    random numbers, which cost more than the model's decode step at V = 49152 (bench/, docs/benchmarks.md)."""
     if sampling.top_k == 0 and sampling.top_p >= 1.0:
-        s = logits.astype(np.float64) / sampling.temperature
+        s = np.asarray(logits, np.float32) / np.float32(sampling.temperature)
         m = s.max(axis=1, keepdims=True)
-        logp = s - (m + np.log(np.exp(s - m).sum(axis=1, keepdims=True)))
-    else:
-        logp = np.stack([transformed_log_softmax(row, sampling) for row in logits])
-    ids = np.argmax(logp + rng.gumbel(size=logp.shape), axis=1)
+        cdf = np.cumsum(np.exp(s - m), axis=1, dtype=np.float64)  # exp in float32: log-prob error ~1e-8 nats
+        total = cdf[:, -1]
+        log_z = m[:, 0].astype(np.float64) + np.log(total)
+        u = rng.random(len(s)) * total
+        ids = np.array([np.searchsorted(row, x, side="right") for row, x in zip(cdf, u)], np.int64)
+        ids = np.minimum(ids, s.shape[1] - 1)
+        return ids, s[np.arange(len(ids)), ids].astype(np.float64) - log_z
+    logp = np.stack([transformed_log_softmax(row, sampling) for row in logits])
+    cdf = np.cumsum(np.exp(logp), axis=1)
+    u = rng.random(len(logp)) * cdf[:, -1]
+    ids = np.minimum([np.searchsorted(row, x, side="right") for row, x in zip(cdf, u)], logp.shape[1] - 1)
+    ids = np.asarray(ids, np.int64)
     return ids, logp[np.arange(len(ids)), ids]
