@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,10 +160,42 @@ def test_ray_backend_trains_two_steps_with_two_replicas(tiny_gguf_factory, tmp_p
     proc = _train(_base(model, tmp_path, "ray", "run.steps=2", "logging.eval_every=2", "rollout.backend='ray'",
                         "rollout.engines=2", "rollout.staleness=1"), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 ray engine replica(s)" in proc.stderr
+    assert "2 ray engine replica(s)" in proc.stderr  # a line the trainer logs, relayed by the driver
+    actor_pid, driver_pid = map(int, re.search(r"trainer: Ray actor pid (\d+) on .* \(driver pid (\d+)\)",
+                                                proc.stderr).groups())
+    assert actor_pid != driver_pid  # the trainer ran in its own Ray worker process
     rows = _rows(tmp_path / "ray")
     assert [r["step"] for r in rows] == [1, 2] and all(r["staleness/max"] <= 1 for r in rows)
     assert "eval/accuracy" in rows[-1]
+    assert proc.stderr.rstrip().endswith(f"checkpoints in {tmp_path / 'ray' / 'checkpoints'}")
+
+
+@pytest.mark.slow
+def test_ray_driver_forwards_sigterm_the_trainer_actor_checkpoints_and_the_run_resumes(tiny_gguf_factory, tmp_path):
+    import time
+
+    model = tiny_gguf_factory("f32")
+    args = _base(model, tmp_path, "ray", "run.steps=400", "logging.eval_every=400", "rollout.backend='ray'",
+                 "rollout.engines=1", "rollout.staleness=1")
+    proc = subprocess.Popen([sys.executable, "-m", "nearpolicy", "train", *args], cwd=tmp_path, text=True,
+                            stderr=subprocess.PIPE)
+    metrics = tmp_path / "ray" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 143, err[-3000:]
+    stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint (\S+) \(continue with --resume\)", err)
+    assert stopped, err[-3000:]
+    step = int(stopped.group(1))
+    assert step >= 2 and Path(stopped.group(2)).is_dir()
+    resumed = _train(_base(model, tmp_path, "ray", f"run.steps={step + 1}", "logging.eval_every=400",
+                           "rollout.backend='ray'", "rollout.engines=1", "rollout.staleness=1") + ["--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {stopped.group(2)} at step {step}" in resumed.stderr
+    assert [r["step"] for r in _rows(tmp_path / "ray")] == list(range(1, step + 2))
 
 
 def test_replica_that_raises_stops_the_run_with_its_traceback(two_versions):

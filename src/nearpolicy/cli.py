@@ -25,34 +25,21 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     if cfg is None:
         return 2
-    from nearpolicy.trainer import RunExistsError, Trainer
+    if cfg.rollout.backend == "ray":  # the trainer runs as a Ray actor; this process relays its output and signals
+        from nearpolicy.ray_trainer import train_in_ray_actor
 
-    try:
-        trainer = Trainer(cfg, resume=args.resume, log=lambda msg: print(msg, file=sys.stderr))
-    except (RunExistsError, OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    from nearpolicy.engines.base import EngineError
-    from nearpolicy.runs import list_checkpoints
-    from nearpolicy.signals import GracefulStop, StopRequested
+        return train_in_ray_actor(cfg, args.resume)
+    from nearpolicy.signals import GracefulStop
+    from nearpolicy.training_run import build_trainer, fit
 
-    try:
+    trainer, failed = build_trainer(cfg, args.resume, log=lambda msg: print(msg, file=sys.stderr))
+    if trainer is None:
+        code, message = failed
+    else:
         with GracefulStop() as stop:
-            run_dir = trainer.fit(stop)
-    except StopRequested as stopped:
-        print(f"{stopped}", file=sys.stderr)
-        return stopped.exit_code
-    except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
-        saved = list_checkpoints(trainer.run_dir)
-        where = (f"the last checkpoint {saved[-1]} is intact (continue with --resume)" if saved
-                 else "no checkpoint was written yet")
-        reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
-        print(f"{reason} at step {trainer.state.step}; {where}", file=sys.stderr)
-        return 130 if isinstance(err, KeyboardInterrupt) else 1
-    finally:
-        trainer.close()
-    print(f"done: metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}", file=sys.stderr)
-    return 0
+            code, message = fit(trainer, stop)
+    print(message, file=sys.stderr)
+    return code
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -257,6 +257,9 @@ class RolloutConfig(Section):
     """CPU threads per replica."""
     ray_address: str | None = None
     """ray backend: the cluster address (None: start or join a local instance)."""
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    """ray backend: custom Ray resources the trainer actor needs, to place it on a chosen node, e.g.
+    {trainer = 1} with `ray start --resources='{"trainer": 1}'` on that node (docs/scaling.md)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "RolloutConfig":
@@ -264,6 +267,10 @@ class RolloutConfig(Section):
             raise ValueError("staleness, partial, overprovision and backend = 'ray' need rollout.engines >= 1")
         if self.partial and self.staleness < 1:
             raise ValueError("partial rollouts keep tokens across a weight update, so they need rollout.staleness >= 1")
+        for name, amount in self.trainer_resources.items():
+            if name in ("CPU", "GPU", "memory") or not amount >= 0:
+                raise ValueError(f"rollout.trainer_resources: {name} = {amount} is not a custom Ray resource amount "
+                                 ">= 0 (CPU, GPU and memory are not accepted here)")
         return self
 
 

@@ -126,7 +126,8 @@ class RayPool:
     def __init__(self, spec: EngineSpec, replicas: int, address: str | None = None):
         import ray
 
-        if not ray.is_initialized():
+        self.owns_ray = not ray.is_initialized()  # False inside the trainer actor (ray_trainer.py)
+        if self.owns_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         self.ray, self.spec = ray, spec
         self.actor_class = ray.remote(num_cpus=1, max_concurrency=2)(_RayEngine)
@@ -180,4 +181,5 @@ class RayPool:
     def close(self) -> None:
         for actor in self.actors:
             self.ray.kill(actor, no_restart=True)
-        self.ray.shutdown()
+        if self.owns_ray:
+            self.ray.shutdown()

@@ -70,6 +70,7 @@ class Trainer:
         self.state = TrainState()
         self.guard = BadStepGuard(cfg.run.max_bad_steps)
         self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
+        self.postfix: dict[str, str] = {}  # the progress bar's figures after the last step
         self.ewma = build_proximal_policy(cfg.correction.proximal, self.s.model, cfg.correction.ewma_decay)
         if resume:
             self._resume()
@@ -215,14 +216,15 @@ class Trainer:
         return out
 
     # -- loop ------------------------------------------------------------------------------------
-    def fit(self, stop=None) -> Path:
+    def fit(self, stop=None, progress: bool = True) -> Path:
         """Run to cfg.run.steps. `stop` (signals.GracefulStop) ends the run after the step in progress, checkpointing
-        it, with StopRequested. Raises NonFiniteError after run.max_bad_steps consecutive non-finite steps."""
+        it, with StopRequested. Raises NonFiniteError after run.max_bad_steps consecutive non-finite steps.
+        `progress=False` hides the bar whatever logging.progress says (the Ray driver draws its own)."""
         cfg = self.cfg
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.run.steps, initial=self.state.step, desc=cfg.run.name, disable=not cfg.logging.progress,
-                   dynamic_ncols=True)
+        bar = tqdm(total=cfg.run.steps, initial=self.state.step, desc=cfg.run.name,
+                   disable=not (progress and cfg.logging.progress), dynamic_ncols=True)
         try:
             return self._fit(stop, bar)
         finally:
@@ -252,9 +254,10 @@ class Trainer:
             if step % cfg.logging.checkpoint_every == 0 or step == cfg.run.steps:
                 self.checkpoint()
             self.guard.check(step)
+            self.postfix = dict(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
+                                acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
-                            acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
+            bar.set_postfix(self.postfix)
         self.metrics.close()
         self.close()
         return self.run_dir
@@ -311,7 +314,8 @@ class Trainer:
         self.log(f"no loadable checkpoint in {self.run_dir}: starting from step 0")
 
 
-RESUMABLE_KEYS = {"run.steps", "logging"}  # may change on --resume; everything else must match
+# may change on --resume (placement, not training, settings); everything else must match
+RESUMABLE_KEYS = {"run.steps", "logging", "rollout.ray_address", "rollout.trainer_resources"}
 
 
 def _check_same_config(saved_path: Path, cfg: Config) -> None:

@@ -1,0 +1,43 @@
+"""One training run from a validated config to (exit code, closing message): the steps `nearpolicy train` takes
+in its own process, and that the Ray trainer actor (ray_trainer.py) takes on its node.
+
+Exit codes: 0 done; 1 a failed step or engine; 2 a run that could not start (existing run, bad resume, bad
+input); 128 + signal number when stopped by SIGINT / SIGTERM after a completed step (130 / 143)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nearpolicy.config import Config
+
+
+def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
+    """(Trainer, None), or (None, (2, message)) when the run cannot start."""
+    from nearpolicy.trainer import RunExistsError, Trainer
+
+    try:
+        return Trainer(cfg, resume=resume, log=log), None
+    except (RunExistsError, OSError, ValueError) as err:
+        return None, (2, f"error: {err}")
+
+
+def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
+    """Run `trainer` to its last step; `stop` has a `signum` attribute (signals.GracefulStop or any object set
+    from elsewhere). Closes the trainer's engine replicas whatever happens."""
+    from nearpolicy.engines.base import EngineError
+    from nearpolicy.runs import list_checkpoints
+    from nearpolicy.signals import StopRequested
+
+    try:
+        run_dir = trainer.fit(stop, progress=progress)
+    except StopRequested as stopped:
+        return stopped.exit_code, str(stopped)
+    except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
+        saved = list_checkpoints(trainer.run_dir)
+        where = (f"the last checkpoint {saved[-1]} is intact (continue with --resume)" if saved
+                 else "no checkpoint was written yet")
+        reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
+        return (130 if isinstance(err, KeyboardInterrupt) else 1), f"{reason} at step {trainer.state.step}; {where}"
+    finally:
+        trainer.close()
+    return 0, f"done: metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
