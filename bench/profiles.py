@@ -22,6 +22,37 @@ def _rollout_profile(roll: dict) -> list[str]:
             md_table(["configuration", "model evaluation", "share", "rest"], rows), ""]
 
 
+def decode_step_buckets(steps: dict, bucket: int = 8) -> list[tuple[int, int, int, float, float]]:
+    """Decode calls grouped by active sequences (1-8, 9-16, ...): (low, high, calls, tokens, seconds).
+    `steps` maps "sequences in the call" (str or int) to [calls, seconds]."""
+    out: dict[int, list[float]] = {}
+    for n, (calls, seconds) in steps.items():
+        b = (int(n) - 1) // bucket
+        acc = out.setdefault(b, [0, 0, 0.0])
+        acc[0] += calls
+        acc[1] += calls * int(n)
+        acc[2] += seconds
+    return [(b * bucket + 1, (b + 1) * bucket, int(c), int(t), s) for b, (c, t, s) in sorted(out.items())]
+
+
+def _decode_step_profile(roll: dict, bound: float | None) -> list[str]:
+    rows = []
+    for name, r in roll.items():
+        steps = (r.get("profile") or {}).get("decode_steps")
+        if not steps:
+            continue
+        for low, high, calls, tokens, seconds in decode_step_buckets(steps):
+            rate = tokens / seconds if seconds else 0.0
+            rows.append([name, f"{low}-{high}", str(calls), f"{1e3 * seconds / calls:.0f}", f"{rate:.0f}",
+                         "n/a" if not bound else f"{100 * rate / bound:.0f}%"])
+    if not rows:
+        return []
+    return ["llama.cpp decode steps by the number of sequences still generating (one token each; the batch shrinks "
+            "as sequences stop, so a run's tokens/s mixes these rates). Rates are llama_decode time only.", "",
+            md_table(["configuration", "active sequences", "decode calls", "ms / call", "tokens/s", "of decode bound"],
+                     rows), ""]
+
+
 def _trainer_profile(tr: dict) -> list[str]:
     if not tr or not tr.get("profile"):
         return []
@@ -61,7 +92,8 @@ def notes(res: dict, d: dict) -> str:
     lines = ["## Where the time goes", ""]
     lines.append(f"Targets missed in this run: {', '.join(missed)}." if missed else "All targets met in this run.")
     lines.append("")
-    lines += _rollout_profile(roll) + _grpo_profile(res.get("grpo", {})) + _trainer_profile(res.get("trainer"))
+    lines += (_rollout_profile(roll) + _decode_step_profile(roll, d.get("decode_bound_tokens_per_s"))
+              + _grpo_profile(res.get("grpo", {})) + _trainer_profile(res.get("trainer")))
     if res.get("failures"):
         lines += ["## Failed measurements", ""] + [f"- `{f}`" for f in res["failures"]] + [""]
     return "\n".join(lines)

@@ -130,6 +130,7 @@ def rollout(args) -> dict:
             runner = _NearpolicyRollout(args.config, model, tokenizer, args, Path(tmp))
         runner.run(prompts[:1], 1, 8, seed=12345)  # warm-up
         forward = _time_forward(runner)
+        forward[2].clear()  # decode-step sizes from the timed runs only
         rates, tokens, total = [], [], 0.0
         for rep in range(args.repeats):
             t0 = time.perf_counter()
@@ -137,15 +138,16 @@ def rollout(args) -> dict:
             total += time.perf_counter() - t0
             rates.append(n / (time.perf_counter() - t0))
             tokens.append(n)
-    profile = {"forward_s": forward[0], "total_s": total, "forward": forward[1]}
+    profile = {"forward_s": forward[0], "total_s": total, "forward": forward[1], "decode_steps": forward[2]}
     return {"tokens_per_s_runs": rates, "tokens_runs": tokens, "profile": profile}
 
 
 def _time_forward(runner) -> list:
     """Wrap the model-evaluation call (llama.cpp `_decode`, or the torch model's forward) with a timer; returns
-    a list whose [0] accumulates its seconds; [1] names what was timed. The rest of a run is sampling, log-prob
-    extraction and bookkeeping in Python / numpy / torch."""
-    acc = [0.0, ""]
+    a list whose [0] accumulates its seconds; [1] names what was timed; [2] (llama.cpp only) maps the number of
+    sequences decoded in one call (one token each) to [calls, seconds], the prompt prefill excluded. The rest of
+    a run is sampling, log-prob extraction and bookkeeping in Python / numpy / torch."""
+    acc = [0.0, "", {}]
     engine = getattr(runner, "engine", None)
     if engine is not None and hasattr(engine, "_decode"):
         obj, attr, acc[1] = engine, "_decode", "llama_decode (llama.cpp forward, logits copy)"
@@ -159,7 +161,13 @@ def _time_forward(runner) -> list:
         try:
             return inner(*a, **k)
         finally:
-            acc[0] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            acc[0] += dt
+            entries = a[0] if a and isinstance(a[0], list) else None
+            if entries is not None and len({seq for _, _, seq, _ in entries}) == len(entries):  # one token per sequence
+                calls = acc[2].setdefault(len(entries), [0, 0.0])
+                calls[0] += 1
+                calls[1] += dt
 
     setattr(obj, attr, timed)
     return acc

@@ -171,6 +171,16 @@ def test_ray_backend_trains_two_steps_with_two_replicas(tiny_gguf_factory, tmp_p
 
 
 @pytest.mark.slow
+def test_ray_trainer_resources_no_node_offers_fail_at_once_naming_them(tmp_path):
+    proc = _train(["--set", "rollout.backend='ray'", "--set", "rollout.engines=1", "--set",
+                   "rollout.trainer_resources={gpu_trainer = 1}", "--set", f"run.output_dir='{tmp_path}'"],
+                  tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "rollout.trainer_resources {'gpu_trainer': 1.0}: no node of the Ray cluster offers that much" in proc.stderr
+    assert not (tmp_path / "grpo-smollm2-chain-sum").exists()  # nothing started, nothing written
+
+
+@pytest.mark.slow
 def test_ray_driver_forwards_sigterm_the_trainer_actor_checkpoints_and_the_run_resumes(tiny_gguf_factory, tmp_path):
     import time
 

@@ -99,3 +99,11 @@ def test_missed_targets_are_named():
     res["trainer"]["gflops"] = harness.summarize([50.0])
     d = harness.derive(res)
     assert "Targets missed in this run: trainer vs GEMM peak." in profiles.notes(res, d)
+
+
+def test_decode_steps_are_bucketed_by_active_sequences():
+    steps = {"32": [10, 1.0], "30": [5, 0.4], "3": [20, 0.6], 8: [1, 0.05], 9: [2, 0.1]}
+    assert profiles.decode_step_buckets(steps) == [(1, 8, 21, 68, 0.65), (9, 16, 2, 18, 0.1), (25, 32, 15, 470, 1.4)]
+    roll = {"nearpolicy llamacpp:q8_0": {"profile": {"decode_steps": steps}}}
+    table = "\n".join(profiles._decode_step_profile(roll, bound=470 / 1.4 * 2))
+    assert "| nearpolicy llamacpp:q8_0 | 25-32 | 15 | 93 | 336 | 50% |" in table

@@ -84,7 +84,16 @@ def train_in_ray_actor(cfg: Config, resume: bool, poll_s: float = 0.5) -> int:
     if owns_ray:
         ray.init(address=cfg.rollout.ray_address, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
-    actor_class = ray.remote(num_cpus=0, max_concurrency=4, resources=dict(cfg.rollout.trainer_resources) or None)
+    wanted, offered = dict(cfg.rollout.trainer_resources), ray.cluster_resources()
+    missing = {k: v for k, v in wanted.items() if offered.get(k, 0.0) < v}
+    if missing:  # the actor could never be placed: say so instead of waiting forever
+        if owns_ray:
+            ray.shutdown()
+        say(f"error: rollout.trainer_resources {missing}: no node of the Ray cluster offers that much (it offers "
+            f"{', '.join(sorted(offered))}); give the trainer's node the resource with "
+            "`ray start --resources='{...}'` (docs/scaling.md)")
+        return 2
+    actor_class = ray.remote(num_cpus=0, max_concurrency=4, resources=wanted or None)
     actor = actor_class(TrainerActor).remote(os.getcwd())
     bar = None
     try:
