@@ -73,6 +73,47 @@ def _grpo_profile(grpo: dict) -> list[str]:
             md_table(["phase", "s / step", "share"], rows), ""]
 
 
+def _why(res: dict, d: dict, missed: list[str]) -> list[str]:
+    """One paragraph per missed speed target, computed from this run's profiles."""
+    out = []
+    roll, bound = res.get("rollout", {}), d.get("decode_bound_tokens_per_s")
+    nps = {n: r for n, r in roll.items() if n.startswith("nearpolicy")}
+    best_name = max(nps, key=lambda n: nps[n]["tokens_per_s"]["median"], default=None)
+    if "rollout vs the decoding compute bound" in missed and best_name:
+        p = nps[best_name].get("profile") or {}
+        share = p.get("forward_s", 0) / p["total_s"] if p.get("total_s") else 0.0
+        text = (f"**Rollout vs the decoding bound.** {100 * share:.0f}% of {best_name}'s rollout time is inside "
+                "llama.cpp's decode call, so the gap is llama.cpp's speed at the batch it is given, not nearpolicy's "
+                "sampling loop. That batch shrinks as sequences stop (one GRPO step's prompts x G sequences, no new "
+                "requests to refill the slots), and a decode call with few sequences costs much more per token than a "
+                "full one.")
+        steps = p.get("decode_steps")
+        if steps and bound:
+            buckets = decode_step_buckets(steps)
+            calls, tokens = sum(b[2] for b in buckets), sum(b[3] for b in buckets)
+            full, tail = buckets[-1], buckets[0]
+            text += (f" Here the mean decode call carried {tokens / calls:.1f} sequences; calls with {full[0]}-{full[1]} "
+                     f"sequences ran at {full[3] / full[4]:.0f} tokens/s ({100 * full[3] / full[4] / bound:.0f}% of the "
+                     f"bound), calls with {tail[0]}-{tail[1]} at {tail[3] / tail[4]:.0f} tokens/s "
+                     f"({100 * tail[3] / tail[4] / bound:.0f}%).")
+        else:
+            text += " The decode-step profile by batch size was not recorded in this run (see docs/bench/decode-steps.md)."
+        out += [text, ""]
+    grpo = res.get("grpo", {})
+    if "GRPO step vs TRL" in missed and "phases" in grpo.get("nearpolicy", {}) and "trl" in grpo:
+        step, ph = grpo["nearpolicy"]["step_s"]["median"], grpo["nearpolicy"]["phases"]
+        update, trl = ph["update"]["median"], grpo["trl"]["step_s"]["median"]
+        engine = ph["rollout"]["median"] + ph["sync"]["median"]
+        out += [f"**GRPO step vs TRL.** The update (forward + backward over prompt and completion tokens: the same "
+                f"PyTorch model and the same kind of tokens TRL updates on) takes {update:.1f} s of nearpolicy's "
+                f"{step:.1f} s step. Even with rollout and weight sync free, the step would be {update / trl:.2f}x "
+                f"TRL's {trl:.1f} s, so the 0.5x target needs a faster update, not a faster engine. Rollout plus "
+                f"weight sync take {engine:.1f} s, against about {trl - update:.1f} s that TRL spends outside an update "
+                "of the same length (its generate and log-prob forward; estimated as TRL's step minus nearpolicy's "
+                "update, TRL's phases are not timed separately).", ""]
+    return out
+
+
 def notes(res: dict, d: dict) -> str:
     """Missed targets and the profiles that explain them; always includes the profiles for reference."""
     missed = []
@@ -92,6 +133,7 @@ def notes(res: dict, d: dict) -> str:
     lines = ["## Where the time goes", ""]
     lines.append(f"Targets missed in this run: {', '.join(missed)}." if missed else "All targets met in this run.")
     lines.append("")
+    lines += _why(res, d, missed)
     lines += (_rollout_profile(roll) + _decode_step_profile(roll, d.get("decode_bound_tokens_per_s"))
               + _grpo_profile(res.get("grpo", {})) + _trainer_profile(res.get("trainer")))
     if res.get("failures"):

@@ -215,7 +215,17 @@ def main() -> None:
     p.add_argument("--parts", nargs="+", default=["rollout", "trainer", "grpo"], choices=["rollout", "trainer", "grpo"])
     p.add_argument("--rollouts", nargs="+", default=ROLLOUTS)
     p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks")
+    p.add_argument("--render", type=Path, default=None,
+                   help="re-write the markdown from an earlier run's JSON (no measurement), e.g. docs/benchmarks.json")
     args = p.parse_args()
+    if args.render is not None:
+        from profiles import notes
+
+        res = json.loads(args.render.read_text())
+        md = args.render.with_suffix(".md")
+        md.write_text(render_markdown(res, res["derived"], res.get("command", "make bench"), notes(res, res["derived"])))
+        print(f"wrote {md}")
+        return
     args.repeats = args.repeats or (1 if args.quick else 3)
     t0 = time.perf_counter()
     h = Harness(args)
@@ -225,6 +235,7 @@ def main() -> None:
     res["derived"] = d
     extra = [x for i, x in enumerate(sys.argv[1:]) if x != "--trl-python" and sys.argv[i] != "--trl-python"]
     command = "make bench" + (f" ARGS='{shlex.join(extra)}'" if extra else "")
+    res["command"] = command
     from profiles import notes
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

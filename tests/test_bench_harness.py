@@ -107,3 +107,20 @@ def test_decode_steps_are_bucketed_by_active_sequences():
     roll = {"nearpolicy llamacpp:q8_0": {"profile": {"decode_steps": steps}}}
     table = "\n".join(profiles._decode_step_profile(roll, bound=470 / 1.4 * 2))
     assert "| nearpolicy llamacpp:q8_0 | 25-32 | 15 | 93 | 336 | 50% |" in table
+
+
+def test_why_paragraphs_are_computed_from_the_run():
+    s = lambda m: {"median": m, "min": m, "max": m, "n": 3}  # noqa: E731
+    res = {"rollout": {"nearpolicy llamacpp:f16": {"tokens_per_s": s(150.0), "profile": {
+               "forward_s": 9.0, "total_s": 10.0, "decode_steps": {"32": [10, 1.0], "4": [10, 0.5]}}}},
+           "grpo": {"nearpolicy": {"step_s": s(40.0), "phases": {"update": s(30.0), "rollout": s(5.0), "sync": s(4.0)}},
+                    "trl": {"step_s": s(60.0)}}}
+    text = "\n".join(profiles._why(res, {"decode_bound_tokens_per_s": 640.0},
+                                   ["rollout vs the decoding compute bound", "GRPO step vs TRL"]))
+    assert "90% of nearpolicy llamacpp:f16's rollout time" in text
+    assert "the mean decode call carried 18.0 sequences" in text  # (320 + 40) tokens / 20 calls
+    assert "calls with 25-32 sequences ran at 320 tokens/s (50% of the bound)" in text
+    assert "calls with 1-8 at 80 tokens/s (12%)" in text
+    assert "takes 30.0 s of nearpolicy's 40.0 s step" in text and "would be 0.50x TRL's 60.0 s" in text
+    assert "Rollout plus weight sync take 9.0 s, against about 30.0 s" in text
+    assert profiles._why(res, {"decode_bound_tokens_per_s": 640.0}, []) == []
