@@ -137,6 +137,8 @@ def train_in_ray_actor(cfg: Config, resume: bool, poll_s: float = 0.5) -> int:
                                      else "no checkpoint was written yet")
     except ray.exceptions.RayActorError as err:
         code, message = 1, f"error: the trainer actor died: {err}"
+    except ray.exceptions.RayTaskError as err:  # an exception the run does not map to an exit code: its traceback
+        code, message = 1, f"error: the trainer actor raised:\n{err}"
     finally:
         if bar is not None:
             bar.close()
