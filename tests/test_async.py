@@ -178,6 +178,9 @@ def test_ray_trainer_resources_no_node_offers_fail_at_once_naming_them(tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "rollout.trainer_resources {'gpu_trainer': 1.0}: no node of the Ray cluster offers that much" in proc.stderr
     assert not (tmp_path / "grpo-smollm2-chain-sum").exists()  # nothing started, nothing written
+    bad = _train(["--set", "rollout.backend='ray'", "--set", "rollout.engines=1", "--set", "rollout.ray_address='nonsense'",
+                  "--set", f"run.output_dir='{tmp_path}'"], tmp_path, timeout=300)
+    assert bad.returncode == 2 and "error: rollout.ray_address 'nonsense'" in bad.stderr, bad.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -64,14 +64,8 @@ class TrainerActor:
         t = self.trainer
         return lines, (t.state.step if t is not None else 0), (dict(t.postfix) if t is not None else {})
 
-    def last_checkpoint(self) -> str | None:
-        from nearpolicy.runs import list_checkpoints
 
-        saved = list_checkpoints(self.trainer.run_dir) if self.trainer is not None else []
-        return str(saved[-1]) if saved else None
-
-
-def train_in_ray_actor(cfg: Config, resume: bool, poll_s: float = 0.5) -> int:
+def train_in_ray_actor(cfg: Config, resume: bool, poll_s: float = 0.2) -> int:
     """Run the training as a Ray actor on the cluster at rollout.ray_address (None: start or join a local
     instance); returns the exit code `nearpolicy train` exits with."""
     import ray
@@ -82,8 +76,12 @@ def train_in_ray_actor(cfg: Config, resume: bool, poll_s: float = 0.5) -> int:
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        ray.init(address=cfg.rollout.ray_address, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        try:
+            ray.init(address=cfg.rollout.ray_address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        except (ValueError, OSError, RuntimeError) as err:  # a bad or unreachable rollout.ray_address
+            say(f"error: rollout.ray_address {cfg.rollout.ray_address!r}: {err}")
+            return 2
     wanted, offered = dict(cfg.rollout.trainer_resources), ray.cluster_resources()
     missing = {k: v for k, v in wanted.items() if offered.get(k, 0.0) < v}
     if missing:  # the actor could never be placed: say so instead of waiting forever
@@ -128,10 +126,10 @@ def train_in_ray_actor(cfg: Config, resume: bool, poll_s: float = 0.5) -> int:
                            dynamic_ncols=True)
                 code, message = relay(actor.fit.remote())
     except KeyboardInterrupt:  # the second signal: stop now, keeping the last checkpoint on disk
-        try:
-            last = ray.get(actor.last_checkpoint.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - the actor may be stuck in a long native call
-            last = None
+        from nearpolicy.runs import list_checkpoints
+
+        saved = list_checkpoints(cfg.run.output_dir / cfg.run.name)  # the run folder as this node sees it
+        last = saved[-1] if saved else None
         code = 130
         message = "interrupted; " + (f"the last checkpoint {last} is intact (continue with --resume)" if last
                                      else "no checkpoint was written yet")

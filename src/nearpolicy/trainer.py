@@ -329,7 +329,7 @@ def _check_same_config(saved_path: Path, cfg: Config) -> None:
                and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
     if changed:
         raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
-                             "(only run.steps and logging.* may change; use a new run.name)")
+                             "(only run.steps, logging.*, rollout.ray_address and rollout.trainer_resources may change; use a new run.name)")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

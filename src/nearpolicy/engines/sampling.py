@@ -40,15 +40,15 @@ def sample_rows(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Gen
     Inverse-CDF sampling: one uniform per row against the cumulative probabilities. A Gumbel-max draw needs N x V
     random numbers, which cost more than the model's decode step at V = 49152 (bench/, docs/benchmarks.md)."""
     if sampling.top_k == 0 and sampling.top_p >= 1.0:
-        s = np.asarray(logits, np.float32) / np.float32(sampling.temperature)
+        s = np.asarray(logits, np.float64) / sampling.temperature  # float64 throughout, as score() computes it
         m = s.max(axis=1, keepdims=True)
-        cdf = np.cumsum(np.exp(s - m), axis=1, dtype=np.float64)  # exp in float32: log-prob error ~1e-8 nats
+        cdf = np.cumsum(np.exp(s - m), axis=1)
         total = cdf[:, -1]
-        log_z = m[:, 0].astype(np.float64) + np.log(total)
+        log_z = m[:, 0] + np.log(total)
         u = rng.random(len(s)) * total
         ids = np.array([np.searchsorted(row, x, side="right") for row, x in zip(cdf, u)], np.int64)
         ids = np.minimum(ids, s.shape[1] - 1)
-        return ids, s[np.arange(len(ids)), ids].astype(np.float64) - log_z
+        return ids, s[np.arange(len(ids)), ids] - log_z
     logp = np.stack([transformed_log_softmax(row, sampling) for row in logits])
     cdf = np.cumsum(np.exp(logp), axis=1)
     u = rng.random(len(logp)) * cdf[:, -1]
