@@ -126,13 +126,10 @@ def train_in_ray_actor(cfg: Config, resume: bool, poll_s: float = 0.2) -> int:
                            dynamic_ncols=True)
                 code, message = relay(actor.fit.remote())
     except KeyboardInterrupt:  # the second signal: stop now, keeping the last checkpoint on disk
-        from nearpolicy.runs import list_checkpoints
+        from nearpolicy.training_run import last_checkpoint_said
 
-        saved = list_checkpoints(cfg.run.output_dir / cfg.run.name)  # the run folder as this node sees it
-        last = saved[-1] if saved else None
-        code = 130
-        message = "interrupted; " + (f"the last checkpoint {last} is intact (continue with --resume)" if last
-                                     else "no checkpoint was written yet")
+        code = 130  # the run folder as this node sees it
+        message = "interrupted; " + last_checkpoint_said(cfg.run.output_dir / cfg.run.name)
     except ray.exceptions.RayActorError as err:
         code, message = 1, f"error: the trainer actor died: {err}"
     except ray.exceptions.RayTaskError as err:  # an exception the run does not map to an exit code: its traceback

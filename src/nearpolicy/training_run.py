@@ -25,7 +25,6 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
     """Run `trainer` to its last step; `stop` has a `signum` attribute (signals.GracefulStop or any object set
     from elsewhere). Closes the trainer's engine replicas whatever happens."""
     from nearpolicy.engines.base import EngineError
-    from nearpolicy.runs import list_checkpoints
     from nearpolicy.signals import StopRequested
 
     try:
@@ -33,11 +32,18 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
     except StopRequested as stopped:
         return stopped.exit_code, str(stopped)
     except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
-        saved = list_checkpoints(trainer.run_dir)
-        where = (f"the last checkpoint {saved[-1]} is intact (continue with --resume)" if saved
-                 else "no checkpoint was written yet")
+        where = last_checkpoint_said(trainer.run_dir)
         reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
         return (130 if isinstance(err, KeyboardInterrupt) else 1), f"{reason} at step {trainer.state.step}; {where}"
     finally:
         trainer.close()
     return 0, f"done: metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
+
+
+def last_checkpoint_said(run_dir) -> str:
+    """What an interrupted or failed run tells the user about its checkpoints."""
+    from nearpolicy.runs import list_checkpoints
+
+    saved = list_checkpoints(run_dir)
+    return (f"the last checkpoint {saved[-1]} is intact (continue with --resume)" if saved
+            else "no checkpoint was written yet")
