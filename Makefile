@@ -12,14 +12,34 @@ BSTAMP := $(BVENV)/.installed
 ARGS ?=
 RUN ?= runs/grpo-smollm2-chain-sum
 
-.PHONY: setup train test bench report diagnose
+# One llama.cpp engine on every x86-64 machine: llama-cpp-python pinned and built with fixed flags (x86-64-v3: AVX2,
+# FMA, F16C, BMI2; no AVX-512, no AMX, whose extra buffer faults on some Xeons: ggml-org/llama.cpp#20824), never
+# -march=native. Measured against the native build: docs/results.md section 6. The wheel is built once per version and
+# flag set into ~/.cache/nearpolicy (pip's own wheel cache would ignore CMAKE_ARGS) and reused by every clone.
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_WHEELS := $(HOME)/.cache/nearpolicy/llama-cpp-python-$(LLAMA_CPP_PYTHON)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)
+
+.PHONY: setup train test bench report diagnose doctor llama-wheel
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+llama-wheel:
+	ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl >/dev/null 2>&1 || { \
+	  rm -rf $(LLAMA_WHEELS).tmp && \
+	  echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) (about 7 minutes on 2 cores, once per machine)" && \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PYTHON) -m pip wheel --quiet --no-deps --no-cache-dir \
+	    --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON) -w $(LLAMA_WHEELS).tmp && \
+	  mv $(LLAMA_WHEELS).tmp $(LLAMA_WHEELS); }
+
+$(STAMP): pyproject.toml Makefile
+	$(MAKE) llama-wheel
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# the local CPU build of torch first, so nothing pulls a CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
@@ -28,6 +48,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# what a bug report needs: CPU flags, llama.cpp features and startup probes, torch GEMM speed, disk, Chromium
+doctor: $(STAMP)
+	$(VENV)/bin/nearpolicy doctor
 
 report: $(STAMP)
 	$(VENV)/bin/nearpolicy report $(RUN)
@@ -38,6 +62,7 @@ $(BSTAMP): pyproject.toml $(STAMP)
 	test -x $(BPY) || $(PYTHON) -m venv $(BVENV)
 	$(BPY) -m pip install --quiet --upgrade pip
 	$(BPY) -m pip install --quiet torch==2.13.0
+	$(BPY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl
 	$(BPY) -m pip install --quiet -e '.[bench]'
 	touch $(BSTAMP)
 

@@ -182,32 +182,65 @@ def test_disk_full_during_the_engine_gguf_export_keeps_checkpoint_and_engine_fil
     assert (f"error: [Errno 28] could not write the engine GGUF {run}/engine/policy-q8_0.gguf (No space left on "
             f"device); the previous policy-q8_0.gguf is unchanged at step 1; the last checkpoint "
             f"{run}/checkpoints/step_000001 is intact (continue with --resume)") in err
-    assert sorted(p.name for p in (run / "engine").iterdir()) == ["policy-q8_0.gguf"]  # no temporary left
+    assert sorted(p.name for p in (run / "engine").iterdir()) == ["llamacpp.log", "policy-q8_0.gguf"]  # no temporary
     assert resolve_model(str(run / "engine" / "policy-q8_0.gguf")).kind == "gguf"  # complete, readable
     state = json.loads((run / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert (state["step"], state["version"], state["engine_precision"]) == (1, 1, "q8_0")
 
 
 @pytest.mark.slow
-def test_engine_crash_stops_the_run_with_the_checkpoint_named(tiny_gguf_factory, tmp_path, capsys, monkeypatch):
-    from nearpolicy.engines.base import EngineError
-    from nearpolicy.engines.llamacpp import LlamaCppEngine
+def test_engine_error_stops_the_run_with_the_checkpoint_named(tiny_gguf_factory, tmp_path, capsys, monkeypatch):
+    from nearpolicy.engines.process import CRASH_HOOK
 
-    real, calls = LlamaCppEngine.generate, []
-
-    def crashing(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise EngineError("llama_decode failed with code -3")
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(LlamaCppEngine, "generate", crashing)
+    monkeypatch.setenv(CRASH_HOOK, "generate:2:raise")  # an EngineError raised inside the engine process
     rc, err = _cli(tiny_gguf_factory("f32"), tmp_path, capsys)
     assert rc == 1
-    assert (f"error: llama_decode failed with code -3 at step 1; the last checkpoint {tmp_path}/c/checkpoints/"
-            "step_000001 is intact (continue with --resume)") in err
+    assert (f"error: injected engine failure in generate (test hook {CRASH_HOOK}) at step 1; the last checkpoint "
+            f"{tmp_path}/c/checkpoints/step_000001 is intact (continue with --resume)") in err
     rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook, said", [("generate:2", "rollout of step 2"), ("greedy:2", "eval of step 2")])
+def test_engine_sigsegv_keeps_the_trainer_and_its_checkpoint_and_resume_continues(tiny_gguf_factory, tmp_path, capsys,
+                                                                                  monkeypatch, hook, said):
+    """A real SIGSEGV of the engine's process mid-rollout and mid-eval; --resume after changing the precision."""
+    from nearpolicy.engines.process import CRASH_HOOK
+
+    monkeypatch.setenv(CRASH_HOOK, hook)
+    rc, err = _cli(tiny_gguf_factory("f32"), tmp_path, capsys, "engine.precision=q8_0")
+    assert rc == 1, err
+    assert f"error: engine llamacpp:q8_0 died with SIGSEGV during {said}; last lines of its log:" in err
+    assert "Fatal Python error: Segmentation fault" in err  # the child's own stack, from its log
+    assert (f"the last checkpoint {tmp_path}/c/checkpoints/step_000001 is intact (continue with --resume); "
+            "engine.precision and engine.extra_buffers may change on --resume") in err
+    assert "try --set engine.precision=f16" in err
+    rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    monkeypatch.delenv(CRASH_HOOK)
+    rc, err = _cli(tiny_gguf_factory("f32"), tmp_path, capsys, "engine.precision=f16", resume=True)
+    assert rc == 0, err
+    assert f"resumed from {tmp_path}/c/checkpoints/step_000001 at step 1" in err
+    rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_engine_failing_its_startup_probe_stops_at_once_and_leaves_no_run_folder(tiny_gguf_factory, tmp_path, capsys,
+                                                                                 monkeypatch):
+    from nearpolicy.engines.process import CRASH_HOOK
+
+    monkeypatch.setenv(CRASH_HOOK, "probe:1")
+    rc, err = _cli(tiny_gguf_factory("f32"), tmp_path, capsys, "engine.precision=q8_0", "engine.extra_buffers=true")
+    assert rc == 2
+    assert "error: engine llamacpp:q8_0 died with SIGSEGV during startup probe; last lines of its log:" in err
+    assert ("the llama.cpp engine failed on this machine; try --set engine.extra_buffers=false (llama.cpp's AMX / "
+            "repack buffers, ggml-org/llama.cpp#20824), or --set engine.precision=f16") in err
+    assert not (tmp_path / "c").exists()  # nothing blocks the retry
+    monkeypatch.delenv(CRASH_HOOK)
+    rc, err = _cli(tiny_gguf_factory("f32"), tmp_path, capsys, "engine.precision=q8_0", "run.steps=1")
+    assert rc == 0, err
 
 
 @pytest.mark.slow

@@ -11,11 +11,10 @@ import torch
 
 from nearpolicy.config import Config
 from nearpolicy.engine_pool import LocalPool, RayPool
-from nearpolicy.engines.worker import EngineSpec
 from nearpolicy.ops.diagnostics import mismatch_metrics
 from nearpolicy.rollout_service import RolloutService, groups_to_rollouts
 from nearpolicy.scheduler import RolloutScheduler, staleness_metrics
-from nearpolicy.setup import Session, export_engine_gguf
+from nearpolicy.setup import Session, engine_spec, export_engine_gguf
 from nearpolicy.tasks import Problem
 from nearpolicy.types import Rollout, SamplingParams
 
@@ -34,8 +33,7 @@ class AsyncRollouts:
         self._prompts: dict[int, tuple[int, ...]] = {}
         path = self._export(version)
         e = cfg.engine
-        spec = EngineSpec(str(path), version, cfg.model.max_context, e.max_parallel_sequences, r.engine_threads,
-                          e.kv_cache, e.flash_attention)
+        spec = engine_spec(cfg, path, version, threads=r.engine_threads)
         pool = LocalPool(spec, r.engines) if r.backend == "local" else RayPool(spec, r.engines, r.ray_address)
         self.service = RolloutService(self.sched, pool, self.prompt_of, sampling, cfg.run.seed,
                                       e.max_parallel_sequences, str(path), log)

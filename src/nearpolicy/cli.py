@@ -1,6 +1,7 @@
 """Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`,
 `nearpolicy summary RUN_DIR`, `nearpolicy report RUN_DIR [-o OUT.html]`,
-`nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`, `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`."""
+`nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`, `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`,
+`nearpolicy doctor`."""
 
 from __future__ import annotations
 
@@ -143,6 +144,12 @@ def _add_diagnose(sub) -> None:
     d.set_defaults(func=_diagnose)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from nearpolicy.doctor import doctor
+
+    return doctor(args.runs, probe=not args.no_probe)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nearpolicy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,10 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="HTML file to write (default runs/compare.html)")
     compare.set_defaults(func=_compare)
     _add_diagnose(sub)
+    doc = sub.add_parser("doctor", help="what a bug report needs: CPU flags, llama.cpp features and probe, torch "
+                         "GEMM speed, disk, Chromium; exit 1 when a required piece is missing")
+    doc.add_argument("--runs", type=Path, default=Path("runs"), help="where checkpoints go (free disk is measured there)")
+    doc.add_argument("--no-probe", action="store_true", help="skip the llama.cpp startup probes (child processes)")
+    doc.set_defaults(func=_doctor)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+
+    if not faulthandler.is_enabled():  # a native crash that still reaches this process prints a Python stack
+        faulthandler.enable()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

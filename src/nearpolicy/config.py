@@ -56,6 +56,10 @@ class EngineConfig(Section):
     """llamacpp: KV-cache dtype."""
     flash_attention: bool = False
     """llamacpp: use the flash-attention kernel (rounds queries to f16: adds mismatch)."""
+    extra_buffers: bool = False
+    """llamacpp: let llama.cpp move weights into its extra buffer types at load (CPU repacking of q4_0 into
+    interleaved blocks; AMX tiles when compiled in). Off: with AMX, the first q8_0 / q4_0 / q4_1 matmul faults on
+    some Intel Xeon hosts (ggml-org/llama.cpp#20824); measured effect on speed: docs/results.md sec. 6."""
     tensor_precision: dict[str, Precision] = {}
     """llamacpp: per-tensor overrides of `precision`, selector -> precision, later entries win; selectors:
     embeddings, output, attention, mlp, blk.N, blk.N-M or a GGUF-name glob (e.g. {"blk.0-2" = "f16"}, the kind

@@ -110,7 +110,8 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
     template = resolved.path if resolved.kind == "gguf" else None
     engine_dir = run_dir / "engine"
-    engine = _make_engine(cfg, model, tokenizer, template, engine_dir)
+    probe_prompt = chat_prompt_ids(tokenizer, t.system_prompt, task.train_problem(0).question)
+    engine = _make_engine(cfg, model, tokenizer, template, engine_dir, probe_prompt)
     plan = {
         "model_file": str(resolved.path), "model_kind": resolved.kind,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -145,14 +146,25 @@ def _engine_precision(e: EngineConfig) -> str:
     return describe(e.precision, tuple(e.tensor_precision.items())) if e.kind == "llamacpp" else e.hf_dtype
 
 
-def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path):
+def engine_spec(cfg: Config, gguf_path: Path, version: int = 0, threads: int | None = None):
+    """The llama.cpp engine of `cfg` over `gguf_path` (engines.llamacpp.EngineSpec)."""
+    from nearpolicy.engines.llamacpp import EngineSpec
+
+    e = cfg.engine
+    return EngineSpec(str(gguf_path), version, cfg.model.max_context, e.max_parallel_sequences,
+                      cfg.run.threads if threads is None else threads, e.kv_cache, e.flash_attention, e.extra_buffers)
+
+
+def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path, probe_prompt: list[int]):
+    """The llamacpp engine runs in its own process (a native crash stops that process, not the trainer) and is
+    probed on the exported GGUF before it is handed back; the hf engine runs in this process."""
     e = cfg.engine
     if e.kind == "llamacpp":
-        from nearpolicy.engines.llamacpp import LlamaCppEngine
+        from nearpolicy.engines.process import ProcessEngine
 
         path = export_engine_gguf(model, engine_dir, e, template, tokenizer)
-        return LlamaCppEngine(path, max_context=cfg.model.max_context, max_parallel_sequences=e.max_parallel_sequences,
-                              threads=cfg.run.threads, kv_cache=e.kv_cache, flash_attention=e.flash_attention)
+        return ProcessEngine(engine_spec(cfg, path), f"llamacpp:{_engine_precision(e)}",
+                             log_path=engine_dir / "llamacpp.log", probe_prompt=probe_prompt)
     from nearpolicy.engines.hf import HFEngine
 
     return HFEngine(model, stop_token_ids(tokenizer, model), dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)

@@ -5,6 +5,7 @@ so every difference between rollout_logprobs and old_logprobs is numerical misma
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from nearpolicy.batching import collate
 from nearpolicy.config import Config
+from nearpolicy.engines.process import EngineDied, ProcessEngine
 from nearpolicy.guards import BadStepGuard, check_finite_weights, check_task_prompts
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
@@ -60,9 +62,15 @@ class Trainer:
             raise RunExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or set run.name")
         if resume:  # refuse a changed config before the minutes of loading
             _check_same_config(self.run_dir / "config.json", cfg)
+        created = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.run.seed)
-        self.s: Session = build_session(cfg, self.run_dir, log)
+        try:
+            self.s: Session = build_session(cfg, self.run_dir, log)
+        except BaseException:
+            if created:  # a run that never started leaves no folder to block the retry
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
                                        cfg.sampling.max_new_tokens)
         self.settings = _update_settings(cfg)
@@ -231,6 +239,13 @@ class Trainer:
             bar.close()  # before any stop or error message, so that message gets its own line
 
     def _fit(self, stop, bar) -> Path:
+        try:
+            return self._steps(stop, bar)
+        except EngineDied as died:  # name the step: the eval of step k, or the rollout / sync of step k + 1
+            died.at = died.at or f"step {self.state.step + (died.phase != 'eval')}"
+            raise
+
+    def _steps(self, stop, bar) -> Path:
         cfg = self.cfg
         if self.state.step == 0:
             self.log(f"step 0: greedy eval on {len(self.s.task.eval_problems())} held-out problems...")
@@ -263,10 +278,12 @@ class Trainer:
         return self.run_dir
 
     def close(self) -> None:
-        """Stop the engine replicas (async rollouts); safe to call twice."""
+        """Stop the engine replicas (async rollouts) and the engine's process; safe to call twice."""
         if self.async_rollouts is not None:
             self.async_rollouts.close()
             self.async_rollouts = None
+        if isinstance(self.s.engine, ProcessEngine):
+            self.s.engine.close()
 
     def checkpoint(self) -> Path:
         st = self.state
@@ -315,7 +332,9 @@ class Trainer:
 
 
 # may change on --resume (placement, not training, settings); everything else must match
-RESUMABLE_KEYS = {"run.steps", "logging", "rollout.ray_address", "rollout.trainer_resources"}
+# engine.precision and engine.extra_buffers too: the way out after an engine crash (docs/reliability.md)
+RESUMABLE_KEYS = {"run.steps", "logging", "rollout.ray_address", "rollout.trainer_resources", "engine.precision",
+                  "engine.extra_buffers"}
 
 
 def _check_same_config(saved_path: Path, cfg: Config) -> None:
@@ -329,7 +348,8 @@ def _check_same_config(saved_path: Path, cfg: Config) -> None:
                and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
     if changed:
         raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
-                             "(only run.steps, logging.*, rollout.ray_address and rollout.trainer_resources may change; use a new run.name)")
+                             "(only run.steps, logging.*, rollout.ray_address, rollout.trainer_resources, engine.precision and "
+                             "engine.extra_buffers may change; use a new run.name)")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

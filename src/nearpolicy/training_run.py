@@ -13,24 +13,45 @@ from nearpolicy.config import Config
 
 def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
     """(Trainer, None), or (None, (2, message)) when the run cannot start."""
+    from nearpolicy.engines.base import EngineError
     from nearpolicy.trainer import RunExistsError, Trainer
 
     try:
         return Trainer(cfg, resume=resume, log=log), None
     except (RunExistsError, OSError, ValueError) as err:
         return None, (2, f"error: {err}")
+    except EngineError as err:
+        return None, (2, f"error: {err}\n{engine_advice(cfg)}")
+
+
+def engine_advice(cfg: Config) -> str:
+    """What to try when the llama.cpp engine crashes or fails its startup probe on this machine."""
+    e = cfg.engine
+    tries = []
+    if e.extra_buffers:
+        tries.append("--set engine.extra_buffers=false (llama.cpp's AMX / repack buffers, ggml-org/llama.cpp#20824)")
+    if e.precision not in ("f32", "f16", "bf16"):
+        tries.append("--set engine.precision=f16 (unquantized kernels)")
+    tries.append("--set engine.kind=hf (the transformers engine)")
+    return ("the llama.cpp engine failed on this machine; try " + ", or ".join(tries)
+            + "; `nearpolicy doctor` prints what a bug report needs")
 
 
 def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
     """Run `trainer` to its last step; `stop` has a `signum` attribute (signals.GracefulStop or any object set
     from elsewhere). Closes the trainer's engine replicas whatever happens."""
     from nearpolicy.engines.base import EngineError
+    from nearpolicy.engines.process import EngineDied
     from nearpolicy.signals import StopRequested
 
     try:
         run_dir = trainer.fit(stop, progress=progress)
     except StopRequested as stopped:
         return stopped.exit_code, str(stopped)
+    except EngineDied as died:
+        where = last_checkpoint_said(trainer.run_dir)
+        return 1, (f"error: {died}\n{where}; engine.precision and engine.extra_buffers may change on --resume\n"
+                   f"{engine_advice(trainer.cfg)}")
     except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
         where = last_checkpoint_said(trainer.run_dir)
         reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"

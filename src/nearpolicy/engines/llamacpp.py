@@ -9,6 +9,7 @@ cache of the old weights survives (invariant 9)."""
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,19 +20,60 @@ from nearpolicy.engines.base import EngineError
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
-_SILENCE = None  # keeps the log callback alive
+_LOG_CALLBACK = None  # keeps the log callback alive
+_LOG_FD: int | None = None  # where llama.cpp's log goes (None: dropped)
 _KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids of the KV cache
+_LOG_MIN_LEVEL = 2  # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line
+_GGML_LOG_CONT = 5
 
 
 def _llama():
     import llama_cpp  # lazy: the dependency is heavy and optional for pure-math users
 
-    global _SILENCE
-    if _SILENCE is None:
-        _SILENCE = llama_cpp.llama_log_callback(lambda level, text, user: None)
-        llama_cpp.llama_log_set(_SILENCE, ctypes.c_void_p())
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(_log_line)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
         llama_cpp.llama_backend_init()
     return llama_cpp
+
+
+def _log_line(level, text, user) -> None:
+    if _LOG_FD is not None and text and (level >= _LOG_MIN_LEVEL or level == _GGML_LOG_CONT and _LOG_MIN_LEVEL <= 2):
+        os.write(_LOG_FD, text)
+
+
+def set_log_file(fd: int | None, min_level: int = 2) -> None:
+    """Send llama.cpp's own log to the open file descriptor `fd` (None: drop it, the default), from ggml log level
+    `min_level` up (2 info, 3 warnings, 4 errors; debug, thousands of lines per load, is never written)."""
+    global _LOG_FD, _LOG_MIN_LEVEL
+    _LOG_FD, _LOG_MIN_LEVEL = fd, max(min_level, 2)
+    _llama()
+
+
+def system_info() -> str:
+    """llama.cpp's compiled CPU features, e.g. "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 |"."""
+    return _llama().llama_print_system_info().decode(errors="replace").strip()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to open a llama.cpp engine (picklable: sent to engine processes and Ray actors)."""
+
+    gguf_path: str
+    version: int
+    max_context: int
+    max_parallel_sequences: int
+    threads: int
+    kv_cache: str
+    flash_attention: bool
+    extra_buffers: bool = False
+
+    def open(self) -> "LlamaCppEngine":
+        return LlamaCppEngine(Path(self.gguf_path), max_context=self.max_context,
+                              max_parallel_sequences=self.max_parallel_sequences, threads=self.threads,
+                              version=self.version, kv_cache=self.kv_cache, flash_attention=self.flash_attention,
+                              extra_buffers=self.extra_buffers)
 
 
 @dataclass
@@ -53,11 +95,13 @@ class _Seq:
 class LlamaCppEngine:
     """Rollout engine over one GGUF file. `max_context` bounds prompt + completion per sequence (tokens);
     `kv_cache` is the KV-cache dtype ("f16", llama.cpp's default, or "f32"); `flash_attention` enables
-    llama.cpp's flash-attention kernel (faster on long contexts, rounds queries to f16)."""
+    llama.cpp's flash-attention kernel (faster on long contexts, rounds queries to f16); `extra_buffers` lets
+    llama.cpp move weights into its "extra" buffer types (CPU repacking, AMX) at load. Off by default: with AMX
+    compiled in, the AMX buffer's first matmul faults on some Xeon hosts (ggml-org/llama.cpp#20824)."""
 
     def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
                  threads: int = 2, version: int = 0, unified_kv: bool = True, kv_cache: str = "f16",
-                 flash_attention: bool = False):
+                 flash_attention: bool = False, extra_buffers: bool = False):
         self.max_context = max_context
         self.max_parallel = max_parallel_sequences
         self.threads = threads
@@ -66,6 +110,7 @@ class LlamaCppEngine:
             raise ValueError(f"kv_cache must be one of {sorted(_KV_TYPES)}, got {kv_cache!r}")
         self.kv_cache = kv_cache
         self.flash_attention = flash_attention
+        self.extra_buffers = extra_buffers
         self.version = version
         self.path = Path(gguf_path)
         self._model = self._ctx = self._batch = None
@@ -77,6 +122,7 @@ class LlamaCppEngine:
         if not path.is_file():
             raise EngineError(f"GGUF file not found: {path}")
         mparams = lib.llama_model_default_params()
+        mparams.use_extra_bufts = self.extra_buffers
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise EngineError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.scheduler import SegmentResult
 from nearpolicy.types import GenerationRequest, SamplingParams
 
@@ -27,26 +28,9 @@ class SegmentJob:
     remaining: tuple[int, ...]  # per sample index
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """How to start an engine worker (picklable: sent to processes and Ray actors)."""
-
-    gguf_path: str
-    version: int
-    max_context: int
-    max_parallel_sequences: int
-    threads: int
-    kv_cache: str
-    flash_attention: bool
-
-
 class EngineWorker:
     def __init__(self, spec: EngineSpec):
-        from nearpolicy.engines.llamacpp import LlamaCppEngine
-
-        self.engine = LlamaCppEngine(Path(spec.gguf_path), max_context=spec.max_context,
-                                     max_parallel_sequences=spec.max_parallel_sequences, threads=spec.threads,
-                                     version=spec.version, kv_cache=spec.kv_cache, flash_attention=spec.flash_attention)
+        self.engine = spec.open()
 
     @property
     def version(self) -> int:

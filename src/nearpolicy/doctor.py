@@ -1,0 +1,115 @@
+"""`nearpolicy doctor`: what a bug report needs, measured on this machine: CPU model and SIMD flags, llama.cpp's
+compiled features and a startup probe of the shipped GGUF with llama.cpp's extra buffers off and on (each in its own
+process, so a crash is reported, not suffered), torch's version, threads and GEMM GFLOP/s, free disk for
+checkpoints, and the Chromium the report test drives. Exit code 1 when a required piece is missing."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16")
+CHECKPOINT_GB = 1.6  # fp32 SmolLM2-135M + AdamW moments, one checkpoint (README)
+
+
+@dataclass
+class Check:
+    name: str
+    value: str
+    ok: bool = True
+    required: bool = True
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else ("FAIL" if self.required else "warn")
+        return f"[{mark}] {self.name:<24} {self.value}"
+
+
+def cpu_facts(cpuinfo: str) -> tuple[str, set[str]]:
+    """(model name, set of flags) from the text of /proc/cpuinfo (first processor)."""
+    model, flags = None, None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model is None:
+            model = value.strip()
+        elif key.strip() == "flags" and flags is None:
+            flags = set(value.split())
+    return model or platform.processor() or "unknown", flags or set()
+
+
+def gemm_gflops(dtype, n: int = 512, seconds: float = 0.5) -> float:
+    """Sustained n x n x n matmul throughput of torch in `dtype` (GFLOP/s, 2 n^3 flops per product)."""
+    import torch
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - t0) / 1e9
+
+
+def engine_probe(extra_buffers: bool) -> Check:
+    """Load the shipped Q4_1 GGUF in a child process and decode a few tokens (the run's startup probe)."""
+    from nearpolicy.engines.base import EngineError
+    from nearpolicy.engines.llamacpp import EngineSpec
+    from nearpolicy.engines.process import ProcessEngine
+    from nearpolicy.models import default_model_gguf
+
+    name = f"probe extra_buffers={'on' if extra_buffers else 'off'}"
+    try:
+        gguf = default_model_gguf()
+    except (FileNotFoundError, ImportError) as err:
+        return Check(name, f"no shipped GGUF ({err})", ok=False)
+    spec = EngineSpec(str(gguf), 0, 256, 4, 2, "f16", False, extra_buffers)
+    t0 = time.perf_counter()
+    try:
+        engine = ProcessEngine(spec, "llamacpp:q4_1", probe_prompt=[1, 9690, 28, 2], start_timeout_s=120)
+    except EngineError as err:  # EngineDied included: the crash this probe exists to catch
+        return Check(name, str(err).splitlines()[0], ok=False, required=not extra_buffers)
+    engine.close()
+    return Check(name, f"decoded q4_1 in a child process in {time.perf_counter() - t0:.1f} s",
+                 required=not extra_buffers)
+
+
+def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model, flags = cpu_facts(cpuinfo)
+    simd = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + " ".join(SIMD_FLAGS)
+    out = [Check("cpu", f"{model} ({platform.machine()})"),
+           Check("cpu flags", simd, ok=platform.machine() != "x86_64" or "avx2" in flags),
+           Check("torch", f"{torch.__version__}, {torch.get_num_threads()} threads"),
+           Check("gemm fp32", f"{gemm_gflops(torch.float32):.0f} GFLOP/s (512^3, torch)"),
+           Check("gemm bf16", f"{gemm_gflops(torch.bfloat16):.0f} GFLOP/s (512^3, torch)")]
+    try:
+        import llama_cpp
+
+        from nearpolicy.engines.llamacpp import system_info
+
+        out.append(Check("llama-cpp-python", f"{llama_cpp.__version__}: {system_info()}"))
+        if probe:
+            out += [engine_probe(False), engine_probe(True)]
+    except ImportError as err:
+        out.append(Check("llama-cpp-python", f"not importable ({err})", ok=False))
+    runs_dir = runs_dir if runs_dir.exists() else Path.cwd()
+    free_gb = shutil.disk_usage(runs_dir).free / 1e9
+    out.append(Check("disk", f"{free_gb:.1f} GB free at {runs_dir.resolve()} (a checkpoint of the main job: "
+                     f"{CHECKPOINT_GB} GB, two kept)", ok=free_gb > 3 * CHECKPOINT_GB, required=False))
+    chromium = shutil.which("chromium") or (Path("/usr/bin/chromium").exists() and "/usr/bin/chromium")
+    out.append(Check("chromium", chromium or "absent (only the report test needs it)", ok=bool(chromium),
+                     required=False))
+    return out
+
+
+def doctor(runs_dir: Path = Path("runs"), probe: bool = True, echo=print) -> int:
+    """Print every check; 0 when every required one passes, else 1."""
+    failed = False
+    for check in checks(runs_dir, probe):
+        echo(check.line())
+        failed |= check.required and not check.ok
+    return 1 if failed else 0

@@ -1,0 +1,261 @@
+"""A rollout engine in its own process, so a native crash inside llama.cpp (SIGSEGV, SIGILL, SIGABRT, an OOM kill)
+ends that process, not the trainer.
+
+`ProcessEngine` speaks the RolloutEngine protocol (engines/base.py) and forwards each call over a pipe to a spawned
+child that owns a `LlamaCppEngine`. When the child dies, the call in flight raises `EngineDied`, which names the
+engine, the signal, the phase (startup probe, rollout, eval, scoring, weight sync) and the last lines of llama.cpp's
+own log (written by the child to `log_path`, with faulthandler's Python stack of the child). Before it answers
+"ready" the child runs a startup probe: a few greedy tokens of `probe_prompt` on the file it loaded, then their
+teacher-forced log-probs, which must be finite.
+
+Test hook: NEARPOLICY_TEST_ENGINE_CRASH="METHOD:N[:SIGNAL]" makes the child crash for real (a null-pointer read for
+SIGSEGV, abort() for SIGABRT, else the signal; "raise": an EngineError instead of a crash) on its N-th call of
+METHOD (generate, greedy, score, update_weights; probe for the startup probe)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.llamacpp import EngineSpec, set_log_file
+
+PHASES = {"generate": "rollout", "greedy": "eval", "score": "scoring", "update_weights": "weight sync",
+          "probe": "startup probe"}
+CRASH_HOOK = "NEARPOLICY_TEST_ENGINE_CRASH"
+PROBE_TOKENS = 4
+
+
+class EngineDied(EngineError):
+    """The engine's process ended during a call. `signal_name` is e.g. "SIGSEGV" (or "exit code N"), `phase` what
+    the engine was doing, `log_tail` the last lines of its log; `at` ("step 3") is set by the caller that knows."""
+
+    def __init__(self, engine: str, signal_name: str, phase: str, log_tail: list[str], at: str | None = None):
+        super().__init__(engine, signal_name, phase, log_tail, at)
+        self.engine, self.signal_name, self.phase, self.log_tail, self.at = engine, signal_name, phase, log_tail, at
+
+    def __str__(self) -> str:
+        where = f"{self.phase} of {self.at}" if self.at else self.phase
+        text = f"engine {self.engine} died with {self.signal_name} during {where}"
+        if self.signal_name == "SIGKILL":
+            text += " (SIGKILL without a stop request is usually the kernel's out-of-memory killer)"
+        if self.log_tail:
+            text += "; last lines of its log:\n    " + "\n    ".join(self.log_tail)
+        return text
+
+
+def exit_description(exitcode: int | None) -> str:
+    """'SIGSEGV' for a process killed by signal 11 (exit code -11), else 'exit code N'."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def tail_lines(path: Path | None, n: int = 6) -> list[str]:
+    """The last `n` non-empty lines of an engine log before a crash report, plus the report's first lines
+    (faulthandler's "Fatal Python error: ..." and the innermost frames); [] when the file is missing."""
+    if path is None or not path.exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+        text = f.read().decode("utf-8", errors="replace")
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    crash = max((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), default=None)
+    if crash is None:
+        return lines[-n:]
+    return lines[max(0, crash - n):crash] + lines[crash:crash + 4]
+
+
+class ProcessEngine:
+    """The llama.cpp engine of `spec` in a spawned child process (see the module docstring).
+
+    Raises EngineDied when the child dies (at start or during a call), EngineError when it reports a failure
+    (bad file, failed probe), and re-raises the engine's own exceptions (EngineError, ValueError) unchanged."""
+
+    def __init__(self, spec: EngineSpec, label: str, *, log_path: Path | None = None,
+                 probe_prompt: list[int] | None = None, start_timeout_s: float = 300.0):
+        import multiprocessing as mp
+
+        self.label, self.log_path, self.version = label, log_path, spec.version
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=serve, args=(spec, child_conn, str(log_path) if log_path else None,
+                                                     probe_prompt), daemon=True, name="nearpolicy-engine")
+        self._proc.start()
+        child_conn.close()
+        self._stop_ids: frozenset[int] = frozenset(self._reply("probe" if probe_prompt else "load", start_timeout_s))
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # -- the RolloutEngine protocol --------------------------------------------------------------
+    def generate(self, requests, sampling, seed, interrupt=None):
+        if interrupt is not None:
+            raise TypeError("ProcessEngine.generate does not take an interrupt callback (engine replicas do)")
+        return self._call("generate", requests, sampling, seed)
+
+    def greedy(self, prompts, max_new_tokens):
+        return self._call("greedy", prompts, max_new_tokens)
+
+    def score(self, prompt_ids, completion_ids, sampling):
+        return self._call("score", prompt_ids, completion_ids, sampling)
+
+    def is_stop_token(self, token: int) -> bool:
+        return token in self._stop_ids
+
+    def stop_token_ids(self) -> frozenset[int]:
+        """Every id llama.cpp treats as end of generation (llama_vocab_is_eog)."""
+        return self._stop_ids
+
+    def update_weights(self, source, version: int) -> None:
+        if not isinstance(source, (str, Path)):
+            raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf_export.py)")
+        self._call("update_weights", str(source), version)
+        self.version = version
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(("close", ()))
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=5)
+        self._conn.close()
+
+    # -- the pipe --------------------------------------------------------------------------------
+    def _call(self, method: str, *args):
+        if not self._proc.is_alive():
+            raise self._died(method)
+        try:
+            self._conn.send((method, args))
+        except (BrokenPipeError, OSError):
+            raise self._died(method) from None
+        return self._reply(method)
+
+    def _reply(self, method: str, timeout_s: float | None = None):
+        started = time.monotonic()
+        while not self._conn.poll(0.1):
+            if not self._proc.is_alive():
+                raise self._died(method)
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                self._proc.kill()
+                raise EngineError(f"engine {self.label} did not start within {timeout_s:.0f} s")
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            raise self._died(method) from None
+        if kind == "ok":
+            return payload
+        if isinstance(payload, BaseException):
+            raise payload
+        raise EngineError(f"engine {self.label} failed during {PHASES.get(method, method)}:\n{payload}")
+
+    def _died(self, method: str) -> EngineDied:
+        self._proc.join(timeout=5)
+        return EngineDied(self.label, exit_description(self._proc.exitcode), PHASES.get(method, method),
+                          tail_lines(self.log_path))
+
+
+# -- the child -----------------------------------------------------------------------------------
+def serve(spec: EngineSpec, conn, log_path: str | None, probe_prompt: list[int] | None) -> None:
+    """Child entry point: load the engine, probe it, then answer calls until "close" or the trainer is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the trainer decides
+    log_fd = _log_to_file(log_path) if log_path else None
+    crash = _CrashHook(os.environ.get(CRASH_HOOK, ""))
+    try:
+        engine = spec.open()
+        crash.on("probe")
+        if probe_prompt:
+            probe(engine, probe_prompt)
+        stop_ids = [t for t in range(engine.n_vocab) if engine.is_stop_token(t)]
+        if log_fd is not None:  # the first load is logged in full; each weight sync's reload only by its warnings
+            set_log_file(log_fd, min_level=3)
+    except Exception as err:  # noqa: BLE001 - reported to the trainer, which raises it
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+        return
+    conn.send(("ok", stop_ids))
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone (killed): do not linger
+            break
+        if method == "close":
+            break
+        try:
+            crash.on(method)
+            result = (engine.update_weights(Path(args[0]), args[1]) if method == "update_weights"
+                      else getattr(engine, method)(*args))
+            conn.send(("ok", result))
+        except Exception as err:  # noqa: BLE001 - the trainer re-raises it
+            conn.send(("raise", err if _picklable(err) else EngineError(traceback.format_exc())))
+    engine.close()
+
+
+def probe(engine, prompt: list[int]) -> None:
+    """Decode PROBE_TOKENS greedy tokens after `prompt` and score them; raise EngineError unless the log-probs are
+    finite (a broken kernel shows up here, before any training)."""
+    import math
+
+    from nearpolicy.types import SamplingParams
+
+    ids = engine.greedy([list(prompt)], PROBE_TOKENS)[0]
+    logprobs = engine.score(list(prompt), ids, SamplingParams())
+    if not ids or not all(math.isfinite(x) for x in logprobs):
+        raise EngineError(f"the startup probe decoded {ids} with log-probs {logprobs} (expected finite values)")
+
+
+def _log_to_file(path: str) -> int:
+    """llama.cpp's log lines and faulthandler's stack of a crash go to `path` (unbuffered: a crash loses nothing)."""
+    import faulthandler
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(fd, f"--- nearpolicy engine process {os.getpid()} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    faulthandler.enable(file=os.fdopen(os.dup(fd), "w"), all_threads=False)
+    set_log_file(fd)
+    return fd
+
+
+def _picklable(err: BaseException) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+class _CrashHook:
+    """The test hook of the module docstring: crash for real on the N-th call of one method."""
+
+    def __init__(self, setting: str):
+        parts = setting.split(":") if setting else []
+        self.method = parts[0] if parts else None
+        self.nth = int(parts[1]) if len(parts) > 1 else 1
+        self.signame = parts[2] if len(parts) > 2 else "SIGSEGV"
+        self.calls: Counter = Counter()
+
+    def on(self, method: str) -> None:
+        self.calls[method] += 1
+        if method != self.method or self.calls[method] != self.nth:
+            return
+        if self.signame == "raise":  # a Python-level engine failure, not a crash
+            raise EngineError(f"injected engine failure in {method} (test hook {CRASH_HOOK})")
+        if self.signame == "SIGSEGV":
+            import ctypes
+
+            ctypes.string_at(0)  # a real null-pointer read in native code
+        elif self.signame == "SIGABRT":
+            os.abort()
+        os.kill(os.getpid(), getattr(signal, self.signame))

@@ -1,0 +1,37 @@
+"""`nearpolicy doctor`: CPU facts parsed from /proc/cpuinfo text, and the report of this machine."""
+
+from __future__ import annotations
+
+from nearpolicy.doctor import Check, cpu_facts, doctor
+
+XEON = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512_bf16 amx_bf16 amx_tile amx_int8
+processor\t: 1
+model name\t: something else
+flags\t\t: fpu
+"""
+
+
+def test_cpu_facts_take_the_first_processor():
+    model, flags = cpu_facts(XEON)
+    assert model == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert {"avx2", "avx512f", "amx_tile", "amx_int8", "amx_bf16"} <= flags and "fpu" in flags and len(flags) == 11
+
+
+def test_a_failed_optional_check_warns_and_a_failed_required_one_fails():
+    assert Check("disk", "1 GB", ok=False, required=False).line().startswith("[warn] disk")
+    assert Check("llama-cpp-python", "missing", ok=False).line().startswith("[FAIL] llama-cpp-python")
+
+
+def test_doctor_reports_this_machine_and_probes_the_engine_in_child_processes(tmp_path):
+    lines: list[str] = []
+    code = doctor(tmp_path, probe=True, echo=lines.append)
+    text = "\n".join(lines)
+    assert code == 0, text
+    names = [line[7:].split()[0] for line in lines]
+    assert names == ["cpu", "cpu", "torch", "gemm", "gemm", "llama-cpp-python", "probe", "probe", "disk", "chromium"]
+    assert "AVX2 = 1" in text and "AMX_INT8 = 1" not in text  # the pinned build: AVX2 on, AMX compiled out
+    probes = [line for line in lines if "probe extra_buffers=" in line]
+    assert len(probes) == 2 and all(line.startswith("[ok  ]") and "decoded q4_1 in a child process" in line
+                                    for line in probes)
