@@ -89,3 +89,22 @@ def test_task_options_default_per_dataset():
 
 def test_upper_bound_may_be_infinite():
     assert load_config(None, ["correction.preset=token_is", "correction.upper=inf"]).correction.upper == float("inf")
+
+
+def test_sequence_level_loss_implies_or_requires_per_sequence_aggregation():
+    """GSPO under token-mean would weigh each sequence by its length (issue 13, TRL #3823)."""
+    assert load_config(None, ["algorithm.loss=gspo"]).algorithm.aggregation == "seq-mean-token-mean"
+    assert load_config(None).algorithm.aggregation == "token-mean"
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        with pytest.raises(ConfigError, match=r"algorithm\.aggregation = '" + mode + "'.*gspo.*sequence-level"):
+            load_config(None, ["algorithm.loss=gspo", f"algorithm.aggregation='{mode}'"])
+    explicit = load_config(None, ["algorithm.loss=gspo", "algorithm.aggregation='seq-mean-token-mean'"])
+    assert explicit == load_config(None, ["algorithm.loss=gspo"])
+
+
+def test_kl_estimator_is_a_registered_name_and_the_sum_norm_constant_is_in_tokens():
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_estimator.*k3_is"):
+        load_config(None, ["algorithm.kl_estimator=k4"])
+    assert load_config(None, ["algorithm.kl_estimator='k3+'"]).algorithm.kl_estimator == "k3+"
+    with pytest.raises(ConfigError, match=r"algorithm\.aggregation_constant"):
+        load_config(None, ["algorithm.aggregation_constant=0.5"])

@@ -29,8 +29,8 @@ def _loop_reference(rewards, groups, scale, rescale):
         pivot = ranked[(len(ranked) - 1) // 2]
         med = r[pivot]
         keep[pivot] = False
-        s = _lower_median([abs(r[i] - med) for i in members]) + 1e-3 if scale == "mad" else 1.0
-        a = {i: (r[i] - med) / s for i in members}
+        s = _lower_median([abs(r[i] - med) for i in members]) if scale == "mad" else 1.0
+        a = {i: (r[i] - med) / (s if s > 1e-6 else 1.0) for i in members}
         if rescale:
             nonzero = [i for i in members if abs(a[i]) > 1e-6]
             for i in nonzero:
@@ -46,9 +46,25 @@ def test_hand_computed_three_samples():
     assert torch.equal(out.advantages, torch.tensor([1.0, -1.0, 0.0]))
     assert torch.equal(out.keep, torch.tensor([True, True, False]))
     mad = mc_grpo_advantages(rewards, groups, "mad").advantages  # |dev| = [1, 1, 0] -> MAD 1
-    assert torch.allclose(mad, torch.tensor([1 / 1.001, -1 / 1.001, 0.0]), rtol=1e-15, atol=0)
+    assert torch.allclose(mad, torch.tensor([1.0, -1.0, 0.0]), rtol=1e-15, atol=0)
     released = mc_grpo_advantages(rewards, groups, "mad", rescale_nonzero=True).advantages
-    assert torch.allclose(released, torch.tensor([1.5 / 1.001, -1.5 / 1.001, 0.0]), rtol=1e-15, atol=0)
+    assert torch.allclose(released, torch.tensor([1.5, -1.5, 0.0]), rtol=1e-15, atol=0)
+    halved = mc_grpo_advantages(rewards / 4, groups, "mad").advantages  # MAD 0.25: scale-free, as the std
+    assert torch.allclose(halved, torch.tensor([1.0, -1.0, 0.0]), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("rewards,expected,released", [
+    ([1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [4.0, 0.0, 0.0, 0.0]),  # released code: 1000, 4000
+    ([0.0] + [0.95] * 7, [-0.95] + [0.0] * 7, [-7.6] + [0.0] * 7),  # released code: -950, -7600
+])
+def test_zero_mad_is_not_divided_by(rewards, expected, released):
+    """The MAD of binary rewards is 0 whenever more than half the group agrees: below the 1e-6 floor the centred
+    reward is kept (as grpo keeps it when the std is 0), never divided by MAD + 1e-3 (NeMo-RL #1518's +-1e6)."""
+    rewards, groups = torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long)
+    mad = compute_advantages("mc_grpo_mad", rewards, groups).advantages
+    assert torch.allclose(mad, torch.tensor(expected), rtol=1e-12, atol=1e-12)
+    out = compute_advantages("mc_grpo_released", rewards, groups).advantages  # x n / #nonzero: bounded by n
+    assert torch.allclose(out, torch.tensor(released), rtol=1e-12, atol=1e-12)
 
 
 def test_binary_rewards_with_ties_pick_one_pivot():

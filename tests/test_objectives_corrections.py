@@ -9,7 +9,8 @@ import torch
 from nearpolicy.ops.correction_presets import CORRECTIONS, correction_spec
 from nearpolicy.ops.corrections import (ACTIONS, LEVELS, CorrectionSpec, RejectionRule, correct, correction_log_ratio,
                                         mismatch_correction, proximal_logprobs)
-from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
+from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss, required_aggregation
+from nearpolicy.ops.masked import aggregation_denominator
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
 DEFAULT_DTYPE = torch.float64
@@ -158,9 +159,11 @@ def test_all_ratios_one_every_preset_equals_the_uncorrected_loss(name):
     assert torch.equal(result.weights, torch.ones_like(lp)) and torch.equal(result.keep, mask)
     adv = torch.randn(lp.shape[0], generator=torch.Generator().manual_seed(1))
     for loss_name in ("ppo_clip", "reinforce", "gspo"):
+        mode = required_aggregation(loss_name) or "token-mean"
         a, _ = policy_loss(loss_name, PolicyLossInput(lp + 0.1, prox, adv, result.keep, result.keep.sum(), result.weights),
-                           PolicyLossParams())
-        b, _ = policy_loss(loss_name, PolicyLossInput(lp + 0.1, old, adv, mask, mask.sum()), PolicyLossParams())
+                           PolicyLossParams(), mode, aggregation_denominator(result.keep, mode))
+        b, _ = policy_loss(loss_name, PolicyLossInput(lp + 0.1, old, adv, mask, mask.sum()), PolicyLossParams(), mode,
+                           aggregation_denominator(mask, mode))
         assert a.item() == b.item()
 
 

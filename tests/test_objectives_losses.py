@@ -5,13 +5,15 @@ import math
 import pytest
 import torch
 
+from nearpolicy.ops.kl import KL_ESTIMATORS
 from nearpolicy.ops.losses import (POLICY_LOSSES, PolicyLossInput, PolicyLossParams, kl_penalty_tokens, policy_loss,
-                                   ppo_clip_loss)
+                                   ppo_clip_loss, required_aggregation)
 from nearpolicy.ops.masked import AGGREGATIONS, aggregate, aggregation_denominator
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
 DEFAULT_DTYPE = torch.float64
 LOSSES = POLICY_LOSSES.names()
+VALID = [(name, mode) for name in LOSSES for mode in AGGREGATIONS if required_aggregation(name) in (None, mode)]
 P = PolicyLossParams(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
 
 
@@ -68,11 +70,10 @@ def _ref_loss(name, lp, old, adv, mask, w, p, mode, const=None):
         return sum(sum(r) / len(r) for r in nonempty) / len(nonempty)
     if mode == "seq-mean-token-sum":
         return sum(sum(r) for r in nonempty) / len(nonempty)
-    return sum(map(sum, rows)) / const
+    return sum(map(sum, rows)) / (len(nonempty) * const)
 
 
-@pytest.mark.parametrize("mode", AGGREGATIONS)
-@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("name,mode", VALID)
 @pytest.mark.parametrize("token_adv", [False, True])
 def test_every_loss_and_mode_matches_loop_reference(name, mode, token_adv):
     lp, old, adv, mask, w = _case(1, token_adv=token_adv)
@@ -85,7 +86,7 @@ def test_aggregation_hand_computed():
     loss_tok = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0], [9.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]]).bool()
     expected = {"token-mean": 6 / 3, "seq-mean-token-mean": (1.5 + 3) / 2, "seq-mean-token-sum": 6 / 2,
-                "seq-mean-token-sum-norm": 6 / 10}
+                "seq-mean-token-sum-norm": 6 / (2 * 10)}
     for mode, value in expected.items():
         denom = aggregation_denominator(mask, mode, constant=10)
         assert aggregate(loss_tok, mask, mode, denom).item() == pytest.approx(value, rel=1e-15)
@@ -95,8 +96,7 @@ def test_aggregation_hand_computed():
         aggregation_denominator(mask, "seq-mean-token-sum-norm")
 
 
-@pytest.mark.parametrize("mode", AGGREGATIONS)
-@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("name,mode", VALID)
 def test_micro_batch_split_and_padding_leave_loss_and_gradient_unchanged(name, mode):
     lp, old, adv, mask, w = _case(2, B=6)
     lp.requires_grad_(True)
@@ -169,12 +169,18 @@ def test_pnpo_gradient_is_prefix_ratio_times_the_token_score():
 
 
 def test_on_policy_every_ratio_loss_has_the_plain_policy_gradient():
-    """With old = logprobs.detach() (r = 1): PPO, GSPO, CISPO, PNPO, IS and REINFORCE all give -A grad lp."""
+    """With old = logprobs.detach() (r = 1): PPO, GSPO, CISPO, PNPO, IS and REINFORCE all give -A grad lp
+    (GSPO per sequence: -A grad lp / (n_i N_seqs))."""
     lp, _, adv, mask, _ = _case(5)
     lp.requires_grad_(True)
-    expected = torch.where(mask, -adv[:, None].expand_as(lp) / mask.sum(), torch.zeros_like(lp))
+    per_token = torch.where(mask, -adv[:, None].expand_as(lp) / mask.sum(), torch.zeros_like(lp))
+    n_i, n_seq = mask.sum(-1, keepdim=True).clamp_min(1), mask.any(-1).sum()
+    per_seq = torch.where(mask, -adv[:, None].expand_as(lp) / (n_i * n_seq), torch.zeros_like(lp))
     for name in [n for n in LOSSES if n != "pnpo_prefix_grad"]:
-        loss, metrics = policy_loss(name, PolicyLossInput(lp, lp.detach(), adv, mask, mask.sum()), P)
+        mode = required_aggregation(name) or "token-mean"
+        expected = per_token if mode == "token-mean" else per_seq
+        loss, metrics = policy_loss(name, PolicyLossInput(lp, lp.detach(), adv, mask, mask.sum()), P, mode,
+                                    aggregation_denominator(mask, mode))
         (grad,) = torch.autograd.grad(loss, lp)
         assert torch.allclose(grad, expected, atol=1e-15, rtol=0), name
         assert metrics["pg_clipfrac"].item() == 0 and metrics["ppo_kl"].item() == 0
@@ -231,18 +237,21 @@ def test_dual_clip_bounds_negative_advantage_loss():
     assert m["pg_clipfrac_lower"].item() == 1.0
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS.names())
 def test_kl_penalty_matches_loop_and_vanishes_at_reference(estimator):
-    lp, old, _, mask, _ = _case(7)
-    kl = kl_penalty_tokens(lp, old, mask, estimator)
+    lp, ref, _, mask, _ = _case(7)
+    old = lp - 0.3 * torch.sin(lp)  # pi / pi_old = exp(0.3 sin lp)
+    kl = kl_penalty_tokens(lp, ref, mask, estimator, old)
     for i in range(lp.shape[0]):
         for t in range(lp.shape[1]):
-            d = float(lp[i, t] - old[i, t])
-            ref = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[estimator] if mask[i, t] else 0.0
-            assert kl[i, t].item() == pytest.approx(ref, rel=1e-12, abs=1e-15)
-    assert torch.equal(kl_penalty_tokens(lp, lp.clone(), mask, estimator), torch.zeros_like(lp))
-    with pytest.raises(ValueError, match="k3"):
-        kl_penalty_tokens(lp, old, mask, "k4")
+            d, r = float(lp[i, t] - ref[i, t]), math.exp(float(lp[i, t] - old[i, t]))
+            k3 = math.exp(-d) + d - 1
+            value = {"k1": d, "k2": 0.5 * d * d, "k3": k3, "k1+": d, "k3+": k3, "k2_is": r * 0.5 * d * d,
+                     "k3_is": r * k3}[estimator] if mask[i, t] else 0.0
+            assert kl[i, t].item() == pytest.approx(value, rel=1e-12, abs=1e-15)
+    assert torch.equal(kl_penalty_tokens(lp, lp.clone(), mask, estimator, old), torch.zeros_like(lp))
+    with pytest.raises(KeyError, match="k3_is"):
+        kl_penalty_tokens(lp, ref, mask, "k4")
 
 
 def test_kl_coefficient_adds_penalty_in_the_same_aggregation():
@@ -273,8 +282,7 @@ def test_ppo_clip_loss_wrapper_equals_registry_and_registry_errors():
         POLICY_LOSSES.register("gspo", summary="", source="")(lambda i, p: None)
 
 
-@pytest.mark.parametrize("mode", AGGREGATIONS)
-@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("name,mode", VALID)
 def test_empty_micro_batch_gives_zero_loss_that_still_carries_a_graph(name, mode):
     lp, old, adv, _, w = _case(10, B=2)
     lp.requires_grad_(True)
@@ -284,3 +292,52 @@ def test_empty_micro_batch_gives_zero_loss_that_still_carries_a_graph(name, mode
     assert loss.item() == 0.0 and loss.requires_grad
     (grad,) = torch.autograd.grad(loss, lp)
     assert torch.equal(grad, torch.zeros_like(lp)) and all(v.item() == 0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("copies", [2, 4, 8])
+def test_dr_grpo_sum_norm_divides_by_sequences_times_constant(copies):
+    """Dr. GRPO (verl PR #5417): identical 30-token sequences with per-token loss 1 (on-policy PPO, A = -1) and
+    constant 64 give 30 / 64 = 0.46875 for any number of copies (the constant-only form gave 0.9375, 1.875, 3.75)."""
+    lp = torch.full((copies, 40), -1.0)
+    mask = torch.zeros(copies, 40, dtype=torch.bool)
+    mask[:, :30] = True
+    inp = PolicyLossInput(lp, lp.clone(), -torch.ones(copies), mask, mask.sum())
+    mode = "seq-mean-token-sum-norm"
+    loss, _ = policy_loss("ppo_clip", inp, P, mode, aggregation_denominator(mask, mode, constant=64))
+    assert loss.item() == pytest.approx(0.46875, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("name,mode", VALID)
+def test_duplicating_the_batch_leaves_loss_and_gradient_unchanged(name, mode):
+    """Invariant 14: every sequence twice (with its empty rows) gives the same loss, and the summed gradient of
+    the two copies of a token equals the token's gradient in the original batch."""
+    lp, old, adv, mask, w = _case(11)
+    ref = old - 0.2
+    params = PolicyLossParams(0.2, 0.28, 3.0, kl_coef=0.1)
+    twice = lambda x: torch.cat([x, x]).detach().requires_grad_(x.requires_grad)  # noqa: E731
+    lp.requires_grad_(True)
+    lp2 = twice(lp)
+    losses, grads = [], []
+    for x, o, a, m, ww, rf in ((lp, old, adv, mask, w, ref), (lp2, *map(twice, (old, adv, mask, w, ref)))):
+        inp = PolicyLossInput(x, o, a, m, m.sum(), ww, rf)
+        loss, _ = policy_loss(name, inp, params, mode, aggregation_denominator(m, mode, constant=40.0))
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, x)[0])
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-12, abs=1e-15)
+    B = lp.shape[0]
+    assert torch.allclose(grads[1][:B] + grads[1][B:], grads[0], rtol=1e-12, atol=1e-15)
+
+
+def test_gspo_weighs_each_sequence_equally_and_refuses_other_modes():
+    """Sequences of 2 and 6 tokens, same ratio (on-policy, 1), A = 1: gradient mass -0.5 and -0.5 per sequence
+    (token-mean would give -2/8 = -0.25 and -6/8 = -0.75, TRL #3823); any other mode is refused."""
+    lp = torch.full((2, 6), -0.7, requires_grad=True)
+    mask = torch.tensor([[True] * 2 + [False] * 4, [True] * 6])
+    inp = PolicyLossInput(lp, lp.detach(), torch.ones(2), mask, mask.sum())
+    loss, _ = policy_loss("gspo", inp, P, "seq-mean-token-mean", aggregation_denominator(mask, "seq-mean-token-mean"))
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert torch.allclose(grad.sum(-1), torch.tensor([-0.5, -0.5]), rtol=1e-12, atol=1e-15)
+    for mode in AGGREGATIONS:
+        if mode != "seq-mean-token-mean":
+            with pytest.raises(ValueError, match="sequence-level"):
+                policy_loss("gspo", inp, P, mode, aggregation_denominator(mask, mode, constant=6))

@@ -46,9 +46,10 @@ def _train(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     from nearpolicy.ops.advantages import ADVANTAGES
     from nearpolicy.ops.correction_presets import CORRECTIONS
+    from nearpolicy.ops.kl import KL_ESTIMATORS
     from nearpolicy.ops.losses import POLICY_LOSSES
 
-    for registry in (ADVANTAGES, POLICY_LOSSES, CORRECTIONS):
+    for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS):  # a KL estimator's summary: its gradient
         print(f"{registry.family}{'es' if registry.family.endswith('s') else 's'}:")
         for entry in registry:
             print(f"  {entry.name:<28} {entry.summary}  [{entry.source}]")
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. run.steps=5")
     train.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     train.set_defaults(func=_train)
-    lister = sub.add_parser("list", help="list registered advantage estimators, losses and corrections")
+    lister = sub.add_parser("list", help="list registered advantage estimators, losses, KL estimators and corrections")
     lister.set_defaults(func=_list)
     summary = sub.add_parser("summary", help="markdown summary of a run folder (accuracy, mismatch, timings)")
     summary.add_argument("run_dir", type=Path)

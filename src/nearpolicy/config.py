@@ -137,8 +137,9 @@ class AlgorithmConfig(Section):
     loss: str = "ppo_clip"
     """Policy loss (`nearpolicy list`): ppo_clip, gspo, cispo, reinforce, importance_sampling, pnpo, ..."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
-    aggregation_constant: float | None = Field(None, gt=0)
-    """Denominator of seq-mean-token-sum-norm (default: sampling.max_new_tokens)."""
+    """docs/math.md sec. 7. Unset: seq-mean-token-mean for a sequence-level loss (gspo; no other mode), else token-mean."""
+    aggregation_constant: float | None = Field(None, ge=1)
+    """seq-mean-token-sum-norm divides by (non-empty sequences x this), tokens (default: sampling.max_new_tokens)."""
     group_size: int = Field(8, ge=1)
     """G: samples per prompt."""
     prompts_per_step: int = Field(4, ge=1)
@@ -155,7 +156,24 @@ class AlgorithmConfig(Section):
     dual_clip: float | None = Field(3.0, gt=1)
     kl_coef: float = Field(0.0, ge=0)
     """Coefficient of the KL penalty to the reference policy (the initial model.path weights); 0 = none."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: str = "k3_is"
+    """Gradient of KL(pi || pi_ref) on- and off-policy: k3_is, k2_is; on-policy only: k2, k1+, k3+; never: k1, k3."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aggregation_fits_loss(cls, data: Any) -> Any:
+        from nearpolicy.ops.losses import required_aggregation
+
+        required = required_aggregation(data["loss"]) if isinstance(data, dict) and isinstance(data.get("loss"), str) else None
+        if required is not None and data.get("aggregation", required) != required:
+            raise ValueError(f"algorithm.aggregation = {data['aggregation']!r} weighs each sequence by its length, but "
+                             f"loss {data['loss']!r} is sequence-level: set {required!r} or leave it unset")
+        return data if required is None else {**data, "aggregation": required}
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _kl_known(cls, value: str) -> str:
+        return _registered("nearpolicy.ops.kl", "KL_ESTIMATORS", value)
 
     @field_validator("adam_betas")
     @classmethod

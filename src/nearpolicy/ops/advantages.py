@@ -16,7 +16,7 @@ from nearpolicy.registry import Registry
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
-STD_FLOOR = 1e-6
+STD_FLOOR = 1e-6  # a group scale (std, MAD) at or below this is not divided by (invariant 6)
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,7 +75,6 @@ def reinforce_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torc
 # neither numerator nor denominator. Its advantage is also exactly 0, so forgetting the keep-mask only changes
 # the denominator, never the direction of the gradient.
 
-MAD_EPS = 1e-3  # added to the median absolute deviation (released MC-GRPO code)
 NONZERO_TOL = 1e-6  # |A| <= this counts as a zero advantage in the released code's rescaling
 
 
@@ -138,12 +137,15 @@ def mc_grpo_advantages(
 ) -> AdvantageResult:
     """MC-GRPO advantages and keep-mask.
 
-    A_i = (R_i - med_g) / s_g, s_g = 1 (scale="none") or MAD_g + 1e-3 (scale="mad", MAD_g = lower median of
-    |R - med_g| over the group's scorable members, pivot included). rescale_nonzero multiplies the nonzero
-    advantages (|A| > 1e-6) of a group by n_g / #nonzero (released code). Pivot, singleton, constant-group and
-    unscorable members get A = 0. rewards [N] float, group_ids [N] int -> AdvantageResult (advantages in the
-    rewards' dtype). Raises ValueError for an unknown `scale`.
-    Source: arXiv:2601.22582 (abstract); MAD and rescaling from the released code (docs/math.md sec. 6).
+    A_i = (R_i - med_g) / s_g, s_g = 1 (scale="none") or MAD_g (scale="mad", MAD_g = lower median of
+    |R - med_g| over the group's scorable members, pivot included), except that a MAD <= STD_FLOOR (1e-6) is not
+    divided by (A_i = R_i - med_g), as grpo does with the std: the MAD of binary rewards is 0 whenever more than
+    half a group agrees. rescale_nonzero multiplies the nonzero advantages (|A| > 1e-6) of a group by
+    n_g / #nonzero (released code), so |A| <= n_g max|R - med_g| / MAD_g (or without the MAD below the floor).
+    Pivot, singleton, constant-group and unscorable members get A = 0. rewards [N] float, group_ids [N] int ->
+    AdvantageResult (advantages in the rewards' dtype). Raises ValueError for an unknown `scale`.
+    Source: arXiv:2601.22582 (abstract); MAD and rescaling from the released code, whose MAD + 1e-3 divisor
+    is replaced by the floor (docs/math.md sec. 6; NeMo-RL #1518 for the same failure with a std).
     """
     if scale not in ("none", "mad"):
         raise ValueError(f"unknown MC-GRPO scale {scale!r}; valid: none, mad")
@@ -155,7 +157,8 @@ def mc_grpo_advantages(
         abs_dev = torch.where(scorable, centred.abs(), torch.full_like(centred, float("inf")))
         dev_order, _, dev_start, _ = _group_order(abs_dev, group_ids)
         mad = _lower_median(abs_dev[dev_order], dev_start, count)
-        centred = centred / (mad[inverse] + MAD_EPS)
+        scale_g = mad[inverse]
+        centred = torch.where(scale_g > STD_FLOOR, centred / scale_g.clamp_min(STD_FLOOR), centred)
     if rescale_nonzero and count.numel():
         nonzero = scorable & (centred.abs() > NONZERO_TOL)
         n_nonzero = torch.zeros(count.numel(), dtype=torch.float64).index_add_(0, inverse, nonzero.double())
@@ -172,7 +175,8 @@ def mc_grpo_median_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) ->
     return mc_grpo_advantages(rewards, group_ids, "none").advantages
 
 
-@ADVANTAGES.register("mc_grpo_mad", summary="(R - group median) / (MAD + 1e-3); pivot left out of the gradient",
+@ADVANTAGES.register("mc_grpo_mad", summary="(R - group median) / MAD, no division for MAD <= 1e-6; pivot left out "
+                     "of the gradient",
                      source="MC-GRPO arXiv:2601.22582; MAD scaling from the released code lotusroot-kim/MC-GRPO")
 def mc_grpo_mad_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return mc_grpo_advantages(rewards, group_ids, "mad").advantages

@@ -16,11 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nearpolicy.ops.kl import KL_ESTIMATORS, kl_penalty_tokens
 from nearpolicy.ops.masked import SAFETY_BOUND, aggregate, clamped_exp, masked_sum, select
 from nearpolicy.registry import Registry
-
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass(frozen=True)
@@ -38,20 +36,21 @@ class PolicyLossInput:
 class PolicyLossParams:
     """Plain scalars of the policy losses. clip_low / clip_high: ratio clip [1 - clip_low, 1 + clip_high]
     (DAPO clip-higher when they differ); dual_clip: c > 1 or None (PPO only); gspo_log_ratio_max: upper clamp
-    of GSPO's token log-ratio (verl: 10); kl_coef, kl_estimator: KL-to-reference penalty (k1 / k2 / k3)."""
+    of GSPO's token log-ratio (verl: 10); kl_coef, kl_estimator: KL-to-reference penalty (a name of
+    ops/kl.KL_ESTIMATORS; default k3_is, whose expected gradient is grad KL(pi || pi_ref) on- and off-policy)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = 3.0
     gspo_log_ratio_max: float = 10.0
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3_is"
 
     def __post_init__(self) -> None:
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+        if self.kl_estimator not in KL_ESTIMATORS.names():
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS.names())}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
 
@@ -69,6 +68,16 @@ class TokenLoss:
 
 PolicyLossFn = Callable[[PolicyLossInput, PolicyLossParams], TokenLoss]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+
+# Sequence-level objectives weigh each sequence equally whatever its length (invariant 14), so they are only
+# defined with seq-mean-token-mean; any other mode weighs a sequence by its token count (TRL #3823).
+SEQUENCE_LEVEL_LOSSES = frozenset({"gspo"})
+
+
+def required_aggregation(loss: str) -> str | None:
+    """The aggregation mode a loss is defined with ("seq-mean-token-mean" for a sequence-level loss), or None
+    when any mode is valid."""
+    return "seq-mean-token-mean" if loss in SEQUENCE_LEVEL_LOSSES else None
 
 
 def _broadcast_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -109,7 +118,8 @@ def ppo_clip_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss
     return _finish(inp, mask, loss_tok, clipped > unclipped, lower_clipped, log_ratio)
 
 
-@POLICY_LOSSES.register("gspo", summary="sequence geometric-mean ratio, token form; use seq-mean-token-mean",
+@POLICY_LOSSES.register("gspo", summary="sequence geometric-mean ratio, token form; sequence-level: only with "
+                        "seq-mean-token-mean",
                         source="GSPO arXiv:2507.18071 (GSPO-token form); verl compute_policy_loss_gspo")
 def gspo_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
     """log s_it = sg(mean_t m (lp - old)) + lp_t - sg(lp_t), clamped to [-20, gspo_log_ratio_max];
@@ -189,46 +199,31 @@ def pnpo_prefix_grad_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> T
 
 
 
-def kl_penalty_tokens(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
-) -> torch.Tensor:
-    """Per-token KL(pi_theta || pi_ref) estimate [B, T] (with grad through logprobs; 0 at masked positions).
-
-    k1 = lp - lref; k2 = (lp - lref)^2 / 2; k3 = exp(d) - d - 1 with d = clamp(lref - lp, +-20), output clamped
-    to [-10, 10] (verl low_var_kl). Source: Schulman 2020 "Approximating KL divergence"; verl kl_penalty.
-    Raises ValueError for an unknown estimator."""
-    mask = mask.bool()
-    diff = select(logprobs, mask) - select(ref_logprobs.detach().to(logprobs.dtype), mask)
-    if estimator == "k1":
-        kl = diff
-    elif estimator == "k2":
-        kl = 0.5 * diff * diff
-    elif estimator == "k3":
-        d = (-diff).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        kl = (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
-    else:
-        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
-    return select(kl, mask)
-
 
 def policy_loss(
     name: str, inp: PolicyLossInput, params: PolicyLossParams, mode: str = "token-mean",
     denominator: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Registered loss `name`, plus kl_coef * KL(pi_theta || pi_ref) when inp.ref_logprobs is given and
-    kl_coef > 0 (not multiplied by the mismatch weights), aggregated by `mode` over the global `denominator`
+    kl_coef > 0 (estimator params.kl_estimator of ops/kl.py, its importance ratio taken against
+    inp.old_logprobs; not multiplied by the mismatch weights), aggregated by `mode` over the global `denominator`
     (default inp.token_denominator, allowed for token-mean only; pass `masked.aggregation_denominator` of the
     whole accumulation group for the other modes). Returns (loss scalar with grad, detached metrics normalised by
     inp.token_denominator, so that summing them over micro-batches gives the accumulation-group mean).
-    Raises KeyError for an unknown loss, ValueError for an unknown mode or a missing denominator."""
+    Raises KeyError for an unknown loss or KL estimator, ValueError for an unknown mode, a missing denominator,
+    or a sequence-level loss (SEQUENCE_LEVEL_LOSSES) with a mode other than seq-mean-token-mean."""
     if denominator is None and mode != "token-mean":
         raise ValueError(f"aggregation {mode!r} needs an explicit global denominator (see aggregation_denominator)")
+    required = required_aggregation(name)
+    if required is not None and mode != required:
+        raise ValueError(f"loss {name!r} is sequence-level: aggregation {mode!r} would weigh each sequence by its "
+                         f"length; use {required!r}")
     mask = inp.mask.bool()
     out = POLICY_LOSSES.get(name)(inp, params)
     loss_tok = out.loss
     kl = None
     if inp.ref_logprobs is not None and params.kl_coef > 0:
-        kl = kl_penalty_tokens(inp.logprobs, inp.ref_logprobs, mask, params.kl_estimator)
+        kl = kl_penalty_tokens(inp.logprobs, inp.ref_logprobs, mask, params.kl_estimator, inp.old_logprobs)
         loss_tok = loss_tok + params.kl_coef * kl
     loss = aggregate(loss_tok, mask, mode, inp.token_denominator if denominator is None else denominator)
     tok = torch.as_tensor(inp.token_denominator, dtype=loss_tok.dtype).clamp_min(1)

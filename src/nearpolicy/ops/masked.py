@@ -56,9 +56,12 @@ def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str, denominator
       seq-mean-token-mean      sum_i [sum_t m L / sum_t m] / denominator   (denominator = sequences with >= 1
                                valid token; an empty sequence contributes 0)
       seq-mean-token-sum       sum_i sum_t m L / denominator       (denominator = non-empty sequences)
-      seq-mean-token-sum-norm  sum_{i,t} m L / denominator          (denominator = a constant, e.g. B * max length
-                               for TRL's Dr. GRPO, max length for verl's)
-    The denominator is clamped to >= 1. Source: verl core_algos.agg_loss. Raises ValueError for an unknown mode.
+      seq-mean-token-sum-norm  sum_{i,t} m L / denominator          (denominator = non-empty sequences x a constant
+                               C, e.g. the max response length: Dr. GRPO, arXiv:2503.20783; TRL dr_grpo; verl
+                               PR #5417)
+    Every denominator grows with the batch, so duplicating every sequence leaves the loss unchanged
+    (invariant 14). The denominator is clamped to >= 1. Source: verl core_algos.agg_loss. Raises ValueError for
+    an unknown mode.
     """
     denom = torch.as_tensor(denominator, dtype=loss_tok.dtype, device=loss_tok.device).clamp_min(1)
     if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
@@ -70,8 +73,10 @@ def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str, denominator
 
 
 def aggregation_denominator(mask: torch.Tensor, mode: str, constant: float | None = None) -> torch.Tensor:
-    """The global denominator `aggregate` expects for `mode`, from the mask [B, T] of the WHOLE accumulation
-    group: valid tokens, non-empty sequences, or `constant` (required for seq-mean-token-sum-norm)."""
+    """The global denominator `aggregate` expects for `mode`, from the mask [B, T] bool of the WHOLE accumulation
+    group: valid tokens (token-mean), non-empty sequences (seq-mean-*), or non-empty sequences x `constant`
+    (seq-mean-token-sum-norm; `constant` > 0 in tokens, required; verl PR #5417). Returns a scalar tensor (a
+    count, float64 for seq-mean-token-sum-norm). Raises ValueError for an unknown mode or a missing constant."""
     if mode == "token-mean":
         return mask.bool().sum()
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
@@ -79,5 +84,5 @@ def aggregation_denominator(mask: torch.Tensor, mode: str, constant: float | Non
     if mode == "seq-mean-token-sum-norm":
         if constant is None:
             raise ValueError("seq-mean-token-sum-norm needs a constant denominator")
-        return torch.as_tensor(float(constant))
+        return mask.bool().any(-1).sum().double() * float(constant)
     raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
