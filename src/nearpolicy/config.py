@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nearpolicy.engines.base import LLAMA_MAX_SEQ
+
 Precision = Literal["f32", "f16", "bf16", "q8_0", "q5_0", "q4_0", "q4_1", "mxfp4"]
 
 
@@ -51,7 +53,8 @@ class EngineConfig(Section):
     hf_dtype: Literal["fp32", "bf16"] = "fp32"
     """hf engine: dtype of the weights and KV cache."""
     max_parallel_sequences: int = Field(64, ge=1)
-    """Sequences decoded together in one multi-sequence batch."""
+    """Sequences decoded together in one multi-sequence batch; llamacpp: at most 256 (llama.cpp's LLAMA_MAX_SEQ,
+    the most sequences one context holds)."""
     kv_cache: Literal["f16", "f32"] = "f16"
     """llamacpp: KV-cache dtype."""
     flash_attention: bool = False
@@ -60,6 +63,13 @@ class EngineConfig(Section):
     """llamacpp: per-tensor overrides of `precision`, selector -> precision, later entries win; selectors:
     embeddings, output, attention, mlp, blk.N, blk.N-M or a GGUF-name glob (e.g. {"blk.0-2" = "f16"}, the kind
     of mixed recipe `nearpolicy diagnose --admit` proposes)."""
+
+    @model_validator(mode="after")
+    def _within_llamacpp_limit(self) -> "EngineConfig":
+        if self.kind == "llamacpp" and self.max_parallel_sequences > LLAMA_MAX_SEQ:
+            raise ValueError(f"engine.max_parallel_sequences = {self.max_parallel_sequences} exceeds llama.cpp's limit of "
+                             f"{LLAMA_MAX_SEQ} sequences per context (LLAMA_MAX_SEQ); use at most {LLAMA_MAX_SEQ}")
+        return self
 
     @field_validator("tensor_precision")
     @classmethod
@@ -338,10 +348,31 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+PRESET_FIELDS = ("level", "action", "lower", "upper", "mode", "veto", "mix", "self_normalize")
+"""The correction fields a named preset sets (CorrectionConfig.spec)."""
+
+
+def _drop_replaced_preset_fields(section: Any, overrides: dict[tuple[str, ...], Any]) -> None:
+    """When the `--set` layer changes correction.preset, the file layer's preset fields (upper, lower, ...) belong
+    to the file's preset, not the new one: drop those the `--set` layer does not set itself, so the new preset
+    comes with its own values (--set correction.preset=icepop over a file with upper = 2.0 runs on [0.5, 5])."""
+    new = overrides.get(("correction", "preset"))
+    if new is None or not isinstance(section, dict):
+        return
+    canonical = lambda name: "off" if name == "none" else name  # noqa: E731
+    if canonical(new) == canonical(section.get("preset", CorrectionConfig().preset)):
+        return
+    for name in PRESET_FIELDS:
+        if ("correction", name) not in overrides:
+            section.pop(name, None)
+
+
 def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     """Read a TOML file (or the defaults when `path` is None), apply `--set` overrides, validate.
 
-    Raises ConfigError naming the offending key."""
+    Layers: defaults < file < `--set`. A layer that changes correction.preset takes the new preset's own fields
+    (level, action, lower, upper, mode, veto, mix, self_normalize) except those it sets itself; a lower layer's
+    values for them are dropped. Raises ConfigError naming the offending key."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -352,8 +383,9 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"cannot read config file {path}: {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    for item in overrides:
-        keys, value = parse_override(item)
+    parsed = [(item, *parse_override(item)) for item in overrides]
+    _drop_replaced_preset_fields(data.get("correction"), {tuple(keys): value for _, keys, value in parsed})
+    for item, keys, value in parsed:
         node = data
         for part in keys[:-1]:
             node = node.setdefault(part, {})

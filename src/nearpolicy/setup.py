@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from nearpolicy.config import Config, EngineConfig
+from nearpolicy.ops.correction_presets import describe_correction
 from nearpolicy.tasks import Problem, Task, make_task
 
 
@@ -134,6 +135,8 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
             raise ValueError(f"distill.teacher {cfg.distill.teacher!r} has a different tokenizer from the policy")
         teacher = teacher.float().eval().requires_grad_(False)
     plan["correction"] = repr(cfg.correction.spec())
+    plan["correction_effective"] = describe_correction(cfg.correction.preset, cfg.correction.spec())
+    log(f"correction: {plan['correction_effective']}")
     log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
         f"{plan['samples_per_step']} samples/step, run folder {run_dir}")
     return Session(cfg, model, tokenizer, task, engine, optimizer, template, engine_dir, plan, ref_model, teacher)

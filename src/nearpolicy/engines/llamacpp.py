@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.base import LLAMA_MAX_SEQ, EngineError
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
@@ -58,6 +58,9 @@ class LlamaCppEngine:
     def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
                  threads: int = 2, version: int = 0, unified_kv: bool = True, kv_cache: str = "f16",
                  flash_attention: bool = False):
+        if not 1 <= max_parallel_sequences <= LLAMA_MAX_SEQ:
+            raise ValueError(f"engine.max_parallel_sequences = {max_parallel_sequences} is outside llama.cpp's range "
+                             f"[1, {LLAMA_MAX_SEQ}] (LLAMA_MAX_SEQ sequences per context)")
         self.max_context = max_context
         self.max_parallel = max_parallel_sequences
         self.threads = threads

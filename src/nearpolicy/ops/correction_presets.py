@@ -105,3 +105,26 @@ def correction_spec(name: str, **overrides: object) -> CorrectionSpec:
     unknown name (listing the valid ones) and ValueError for invalid field values."""
     return replace(CORRECTIONS.get(name)(), **overrides)
 
+
+
+def describe_correction(preset: str, spec: CorrectionSpec) -> str:
+    """One line naming the preset and what it computes, e.g. "icepop: token mask [0.5, 5], decoupled"; the
+    effective correction a run uses after its config layers are merged (printed at start, shown by summary,
+    report and compare)."""
+    if spec.action == "off":
+        core = "no IS weight"
+    else:
+        core = f"{spec.level} {spec.action}"
+        if spec.action in ("truncate", "mask"):
+            core += f" [{spec.lower:g}, {spec.upper:g}]"
+    parts = [core, spec.mode]
+    parts += [f"reject {r.statistic} at {r.level} in [{r.lower:.4g}, {r.upper:.4g}]" for r in spec.rejections]
+    if spec.veto is not None:
+        parts.append(f"veto {spec.veto:g}")
+    if spec.mix != 1.0:
+        parts.append(f"mix {spec.mix:g}")
+    if spec.self_normalize != "off":
+        parts.append(f"self-normalised per {spec.self_normalize}")
+    if spec.prefix_inclusive:
+        parts.append("prefix inclusive")
+    return f"{preset}: {', '.join(parts)}"
