@@ -78,17 +78,16 @@ def export_engine_gguf(model: torch.nn.Module, folder: Path, engine: EngineConfi
     return path
 
 
-def stop_token_ids(tokenizer, model) -> set[int]:
-    ids = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return ids
+def stop_token_ids(model, tokenizer, template: Path | None, folder: Path) -> set[int]:
+    """Every id that ends a response, for every engine: llama.cpp's end-of-generation set (llama_vocab_is_eog over
+    the vocabulary) of the GGUF metadata the llama.cpp engine gets (`template`'s, else the one written from
+    `tokenizer`), read from a tensor-less GGUF written to `folder`. SmolLM2: {0, 2, 4}, a superset of the HF
+    tokenizer's eos (2) and <|im_end|> (2) (invariant 18)."""
+    from nearpolicy.engines.gguf_export import export_vocab_gguf
+    from nearpolicy.engines.llamacpp import eog_token_ids
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return set(eog_token_ids(export_vocab_gguf(model.config, folder / "vocab.gguf", template, tokenizer)))
 
 
 def build_session(cfg: Config, run_dir: Path, log) -> Session:
@@ -111,7 +110,8 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
     template = resolved.path if resolved.kind == "gguf" else None
     engine_dir = run_dir / "engine"
-    engine = _make_engine(cfg, model, tokenizer, template, engine_dir)
+    stop_ids = stop_token_ids(model, tokenizer, template, engine_dir)
+    engine = _make_engine(cfg, model, tokenizer, template, engine_dir, stop_ids)
     plan = {
         "model_file": str(resolved.path), "model_kind": resolved.kind,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -120,7 +120,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
         "samples_per_minibatch": a.group_size * a.prompts_per_step // a.minibatches,
         "total_samples": a.group_size * a.prompts_per_step * cfg.run.steps,
         "eval_problems": len(task.eval_problems()),
-        "stop_token_ids": sorted(stop_token_ids(tokenizer, model)),
+        "stop_token_ids": sorted(stop_ids),
     }
     ref_model = None
     if a.kl_coef > 0:  # the reference policy: the model.path weights, frozen (the same after a resume)
@@ -148,7 +148,7 @@ def _engine_precision(e: EngineConfig) -> str:
     return describe(e.precision, tuple(e.tensor_precision.items())) if e.kind == "llamacpp" else e.hf_dtype
 
 
-def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path):
+def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path, stop_ids: set[int]):
     e = cfg.engine
     if e.kind == "llamacpp":
         from nearpolicy.engines.llamacpp import LlamaCppEngine
@@ -158,4 +158,4 @@ def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_di
                               threads=cfg.run.threads, kv_cache=e.kv_cache, flash_attention=e.flash_attention)
     from nearpolicy.engines.hf import HFEngine
 
-    return HFEngine(model, stop_token_ids(tokenizer, model), dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)
+    return HFEngine(model, stop_ids, dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)

@@ -274,3 +274,20 @@ class LlamaCppEngine:
 
 def _lib_is_eog(vocab, token: int) -> bool:
     return bool(_llama().llama_vocab_is_eog(vocab, token))
+
+
+def eog_token_ids(gguf_path: Path) -> frozenset[int]:
+    """Every token id llama.cpp ends a response on (llama_vocab_is_eog over the whole vocabulary) for the GGUF at
+    `gguf_path`, loaded vocabulary-only (a metadata-only GGUF from gguf_export.export_vocab_gguf will do). For
+    SmolLM2: {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}. Raises EngineError when llama.cpp cannot load it."""
+    lib = _llama()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(str(gguf_path).encode(), params)
+    if not model:
+        raise EngineError(f"llama.cpp could not load the vocabulary of {gguf_path}")
+    try:
+        vocab = lib.llama_model_get_vocab(model)
+        return frozenset(t for t in range(lib.llama_vocab_n_tokens(vocab)) if lib.llama_vocab_is_eog(vocab, t))
+    finally:
+        lib.llama_model_free(model)
