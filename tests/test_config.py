@@ -130,3 +130,9 @@ def test_max_parallel_sequences_is_bounded_by_llamacpps_limit():
     with pytest.raises(ValueError, match=r"engine\.max_parallel_sequences = 300 is outside llama\.cpp's range \[1, 256\]"):
         LlamaCppEngine("never-read.gguf", max_parallel_sequences=300)
 
+
+def test_reward_timeout_is_validated():
+    assert load_config(None).task.reward_timeout_s == 10.0
+    for bad in ("0", "-1", "3601", "nan"):
+        with pytest.raises(ConfigError, match=r"task\.reward_timeout_s"):
+            load_config(None, [f"task.reward_timeout_s={bad}"])

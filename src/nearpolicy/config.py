@@ -112,6 +112,9 @@ class TaskConfig(Section):
     eval_size: int = Field(128, ge=1)
     eval_seed: int = 1234
     """Seed of the held-out eval set (disjoint from the training seed)."""
+    reward_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Hard time limit of one reward call, seconds (0 < t <= 3600). Scoring runs in a separate process that is
+    killed and restarted when a call runs over: that sample scores 0 and is counted in reward/timeouts."""
     system_prompt: str = (
         "Solve the problem. Think briefly, then give the final answer on the last line as: Answer: <number>"
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/chi2", "mismatch/ess", "mismatch/max_abs_logprob_diff",
                  "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2",
                  "correction/frac_high"]
-TIME_KEYS = ["time/rollout", "time/recompute", "time/update", "time/sync", "time/eval", "time/step",
+TIME_KEYS = ["time/rollout", "time/score", "time/recompute", "time/update", "time/sync", "time/eval", "time/step",
              "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"]
 
 
