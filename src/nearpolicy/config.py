@@ -64,13 +64,6 @@ class EngineConfig(Section):
     embeddings, output, attention, mlp, blk.N, blk.N-M or a GGUF-name glob (e.g. {"blk.0-2" = "f16"}, the kind
     of mixed recipe `nearpolicy diagnose --admit` proposes)."""
 
-    @model_validator(mode="after")
-    def _within_llamacpp_limit(self) -> "EngineConfig":
-        if self.kind == "llamacpp" and self.max_parallel_sequences > LLAMA_MAX_SEQ:
-            raise ValueError(f"engine.max_parallel_sequences = {self.max_parallel_sequences} exceeds llama.cpp's limit of "
-                             f"{LLAMA_MAX_SEQ} sequences per context (LLAMA_MAX_SEQ); use at most {LLAMA_MAX_SEQ}")
-        return self
-
     @field_validator("tensor_precision")
     @classmethod
     def _selectors_known(cls, value: dict[str, str]) -> dict[str, str]:
@@ -241,10 +234,9 @@ class CorrectionConfig(Section):
 
     def spec(self):
         """The composable CorrectionSpec this section describes. Raises ValueError for inconsistent bounds."""
-        from nearpolicy.ops.correction_presets import correction_spec
+        from nearpolicy.ops.correction_presets import PRESET_FIELDS, correction_spec
 
-        fields = ("level", "action", "lower", "upper", "mode", "veto", "mix", "self_normalize")
-        overrides = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        overrides = {name: getattr(self, name) for name in PRESET_FIELDS if getattr(self, name) is not None}
         return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
 
 
@@ -315,6 +307,10 @@ class Config(Section):
     def _sections_agree(self) -> "Config":
         if self.rollout.engines and self.engine.kind != "llamacpp":
             raise ValueError("rollout.engines >= 1 runs llama.cpp replicas: set engine.kind = 'llamacpp'")
+        e = self.engine
+        if e.kind == "llamacpp" and e.max_parallel_sequences > LLAMA_MAX_SEQ:
+            raise ValueError(f"engine.max_parallel_sequences = {e.max_parallel_sequences} exceeds llama.cpp's limit of "
+                             f"{LLAMA_MAX_SEQ} sequences per context (LLAMA_MAX_SEQ); use at most {LLAMA_MAX_SEQ}")
         if self.algorithm.group_size > self.engine.max_parallel_sequences:
             raise ValueError(f"algorithm.group_size ({self.algorithm.group_size}) exceeds engine.max_parallel_sequences "
                              f"({self.engine.max_parallel_sequences}): a group is decoded in one batch")
@@ -351,25 +347,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
-PRESET_FIELDS = ("level", "action", "lower", "upper", "mode", "veto", "mix", "self_normalize")
-"""The correction fields a named preset sets (CorrectionConfig.spec)."""
-
-
-def _drop_replaced_preset_fields(section: Any, overrides: dict[tuple[str, ...], Any]) -> None:
-    """When the `--set` layer changes correction.preset, the file layer's preset fields (upper, lower, ...) belong
-    to the file's preset, not the new one: drop those the `--set` layer does not set itself, so the new preset
-    comes with its own values (--set correction.preset=icepop over a file with upper = 2.0 runs on [0.5, 5])."""
-    new = overrides.get(("correction", "preset"))
-    if new is None or not isinstance(section, dict):
-        return
-    canonical = lambda name: "off" if name == "none" else name  # noqa: E731
-    if canonical(new) == canonical(section.get("preset", CorrectionConfig().preset)):
-        return
-    for name in PRESET_FIELDS:
-        if ("correction", name) not in overrides:
-            section.pop(name, None)
-
-
 def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     """Read a TOML file (or the defaults when `path` is None), apply `--set` overrides, validate.
 
@@ -386,8 +363,11 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"cannot read config file {path}: {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    from nearpolicy.ops.correction_presets import drop_replaced_preset_fields
+
     parsed = [(item, *parse_override(item)) for item in overrides]
-    _drop_replaced_preset_fields(data.get("correction"), {tuple(keys): value for _, keys, value in parsed})
+    drop_replaced_preset_fields(data.get("correction"), CorrectionConfig().preset,
+                                {tuple(keys[1:]): value for _, keys, value in parsed if keys[0] == "correction"})
     for item, keys, value in parsed:
         node = data
         for part in keys[:-1]:

@@ -100,6 +100,27 @@ _preset("pnpo_weight", CorrectionSpec("prefix_geometric", "none", mode="bypass")
         "PNPO variant, reconstructed from the abstract of arXiv:2608.01418 (docs/math.md sec. 11)")
 
 
+PRESET_FIELDS = ("level", "action", "lower", "upper", "mode", "veto", "mix", "self_normalize")
+"""The CorrectionSpec fields a named preset sets and a config may replace (config.CorrectionConfig)."""
+
+
+def drop_replaced_preset_fields(section: dict | None, default_preset: str,
+                                overrides: dict[tuple[str, ...], object]) -> None:
+    """Config layering (config.load_config): when the upper layer's `overrides` ((key,) -> value within
+    [correction]) change the preset, drop from the lower layer's raw [correction] `section` (in place) the preset
+    fields the upper layer does not set itself: they belong to the old preset (--set correction.preset=icepop over
+    a file with upper = 2.0 then runs IcePop on its own [0.5, 5], not on [0.5, 2])."""
+    new = overrides.get(("preset",))
+    if new is None or not isinstance(section, dict):
+        return
+    canonical = lambda name: "off" if name == "none" else name  # noqa: E731
+    if canonical(new) == canonical(section.get("preset", default_preset)):
+        return
+    for name in PRESET_FIELDS:
+        if (name,) not in overrides:
+            section.pop(name, None)
+
+
 def correction_spec(name: str, **overrides: object) -> CorrectionSpec:
     """The preset `name` with fields replaced, e.g. correction_spec("tis", upper=8.0). Raises KeyError for an
     unknown name (listing the valid ones) and ValueError for invalid field values."""
