@@ -70,8 +70,10 @@ def main() -> None:
                                     threads=args.threads)
             results[f"llamacpp:{precision}"] = measure(engine, requests, sampling, args.repeats)
             engine.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        stop_ids = stop_token_ids(model, tokenizer, default_model_gguf(), Path(tmp))
     for dtype in args.hf_dtypes:
-        engine = HFEngine(model, stop_token_ids(tokenizer, model), dtype=dtype, max_parallel_sequences=args.prompts * args.group)
+        engine = HFEngine(model, stop_ids, dtype=dtype, max_parallel_sequences=args.prompts * args.group)
         results[f"hf:{dtype}"] = measure(engine, requests, sampling, args.repeats)
         engine.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)

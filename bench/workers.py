@@ -65,7 +65,7 @@ class _NearpolicyRollout:
         else:
             from nearpolicy.engines.hf import HFEngine
 
-            self.engine = HFEngine(model, stop_token_ids(tokenizer, model), dtype=precision, max_parallel_sequences=batch)
+            self.engine = HFEngine(model, stop_token_ids(model, tokenizer, default_model_gguf(), tmp), dtype=precision, max_parallel_sequences=batch)
 
     def run(self, prompts, group, new_tokens, seed) -> int:
         from nearpolicy.types import GenerationRequest, SamplingParams
@@ -82,10 +82,12 @@ class _Generate:
     def __init__(self, model, tokenizer, with_logprobs: bool, micro_batch: int):
         from transformers import GenerationConfig
 
+        from nearpolicy.models import default_model_gguf
         from nearpolicy.setup import stop_token_ids
 
         self.model = model.eval()
-        self.eos = sorted(stop_token_ids(tokenizer, model))
+        with tempfile.TemporaryDirectory() as tmp:
+            self.eos = sorted(stop_token_ids(model, tokenizer, default_model_gguf(), Path(tmp)))
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
         self.gen = lambda n: GenerationConfig(max_new_tokens=n, do_sample=True, pad_token_id=self.pad,
                                               bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos,

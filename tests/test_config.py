@@ -108,3 +108,50 @@ def test_kl_estimator_is_a_registered_name_and_the_sum_norm_constant_is_in_token
     assert load_config(None, ["algorithm.kl_estimator='k3+'"]).algorithm.kl_estimator == "k3+"
     with pytest.raises(ConfigError, match=r"algorithm\.aggregation_constant"):
         load_config(None, ["algorithm.aggregation_constant=0.5"])
+
+
+MAIN_TOML = __import__("pathlib").Path(__file__).parent.parent / "configs" / "main.toml"
+
+
+@pytest.mark.parametrize("preset,bounds", [("icepop", (0.5, 5.0)), ("areal_cap", (0.0, 5.0)), ("token_mis", (0.5, 2.0))])
+def test_a_preset_set_on_the_command_line_comes_with_its_own_bounds(preset, bounds):
+    """main.toml sets tis with upper = 2.0; `--set correction.preset=icepop` must run IcePop on [0.5, 5]."""
+    spec = load_config(MAIN_TOML, [f"correction.preset={preset}"]).correction.spec()
+    assert (spec.lower, spec.upper) == bounds and spec.action == "mask"
+
+
+def test_preset_fields_set_in_the_same_layer_stay(tmp_path):
+    assert load_config(MAIN_TOML, ["correction.preset=icepop", "correction.upper=3.0"]).correction.spec().upper == 3.0
+    assert load_config(MAIN_TOML, ["correction.preset=tis"]).correction.spec().upper == 2.0  # same preset: kept
+    path = tmp_path / "c.toml"
+    path.write_text('[correction]\npreset = "icepop"\nupper = 2.0\nproximal = "old"\n')
+    assert load_config(path).correction.spec().upper == 2.0  # the file chose both
+    cfg = load_config(path, ["correction.preset=seq_tis"])
+    assert (cfg.correction.spec().level, cfg.correction.spec().upper, cfg.correction.upper) == ("sequence", 2.0, None)
+
+
+def test_effective_correction_is_described_in_one_line():
+    from nearpolicy.ops.correction_presets import describe_correction
+
+    cfg = load_config(MAIN_TOML, ["correction.preset=icepop"])
+    assert describe_correction(cfg.correction.preset, cfg.correction.spec()) == "icepop: token mask [0.5, 5], decoupled"
+    off = load_config(None, ["correction.preset=none"]).correction
+    assert describe_correction(off.preset, off.spec()) == "none: no IS weight, decoupled"
+
+
+def test_max_parallel_sequences_is_bounded_by_llamacpps_limit():
+    from nearpolicy.engines.llamacpp import LlamaCppEngine
+
+    assert load_config(None, ["engine.max_parallel_sequences=256"]).engine.max_parallel_sequences == 256
+    with pytest.raises(ConfigError, match=r"engine\.max_parallel_sequences = 257 exceeds llama\.cpp's limit of 256"):
+        load_config(None, ["engine.max_parallel_sequences=257"])
+    assert load_config(None, ["engine.kind=hf", "engine.max_parallel_sequences=512"]).engine.max_parallel_sequences == 512
+    with pytest.raises(ValueError, match=r"engine\.max_parallel_sequences = 300 is outside llama\.cpp's range \[1, 256\]"):
+        LlamaCppEngine("never-read.gguf", max_parallel_sequences=300)
+
+
+def test_reward_timeout_is_validated():
+    assert load_config(None).task.reward_timeout_s == 10.0
+    for bad in ("0", "-1", "3601", "nan"):
+        with pytest.raises(ConfigError, match=r"task\.reward_timeout_s"):
+            load_config(None, [f"task.reward_timeout_s={bad}"])

@@ -84,6 +84,27 @@ def test_engine_stop_ids_cover_the_tokenizer_stop_tokens(tiny_gguf_factory, smol
     engine.close()
 
 
+def test_every_engine_stops_on_llamacpps_complete_end_of_generation_set(tiny_policy, tiny_gguf_factory, smollm2_gguf,
+                                                                       tmp_path):
+    """SmolLM2's llama.cpp EOG set is {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}; the hf engine used to stop on
+    {2} only. Held against the llama.cpp engine over the whole vocabulary, for a GGUF with the template's metadata
+    and for one whose metadata was written from the HF tokenizer (an HF-folder model)."""
+    from nearpolicy.engines.gguf_export import export_gguf
+    from nearpolicy.engines.hf import HFEngine
+    from nearpolicy.setup import stop_token_ids
+
+    model, tokenizer = tiny_policy
+    from_tokenizer = tmp_path / "from-tokenizer.gguf"
+    export_gguf(model.state_dict(), model.config, from_tokenizer, "f32", None, tokenizer=tokenizer)
+    for gguf_file, template in ((tiny_gguf_factory("f32"), smollm2_gguf), (from_tokenizer, None)):
+        engine = _engine(gguf_file)
+        llama_stops = {t for t in range(engine.n_vocab) if engine.is_stop_token(t)}
+        engine.close()
+        hf = HFEngine(model, stop_token_ids(model, tokenizer, template, tmp_path / "vocab"))
+        assert llama_stops == {t for t in range(engine.n_vocab) if hf.is_stop_token(t)} == {0, 2, 4}
+        hf.close()
+
+
 def test_chat_template_applied_once_with_at_most_one_bos(smollm2_tokenizer):
     from nearpolicy.setup import chat_prompt_ids
 

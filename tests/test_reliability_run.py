@@ -78,20 +78,71 @@ def test_engine_token_id_outside_the_vocabulary_is_named(tiny_model_dir, tmp_pat
     assert trainer.state.data_position == 0  # the step was not counted
 
 
-def test_raising_reward_scores_zero_and_is_counted(tiny_model_dir, tmp_path, monkeypatch):
-    trainer, _ = _trainer(tiny_model_dir, tmp_path)
-    calls = []
+class FlakyTask:
+    """Raises on the 2nd and 3rd reward call of every 4 (counted in the scoring process), else scores 1."""
 
-    def flaky(response, problem):
-        calls.append(response)
-        if len(calls) % 2:
+    name = "flaky"
+
+    def __init__(self):
+        self.calls = 0
+
+    def score(self, response, problem):
+        self.calls += 1
+        if self.calls % 4 in (2, 3):
             raise RuntimeError("checker crashed")
         return 1.0
 
-    monkeypatch.setattr(trainer.s.task, "score", flaky)
+
+def test_unscorable_samples_leave_the_group_statistics_get_advantage_0_and_are_counted(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """Group [1, error, error, 1] through the trainer's scoring: rewards [1, nan, nan, 1], advantages 0 for all
+    (counting the errors as 0 would give [0.87, -0.87, -0.87, 0.87]), reward/mean 1 over the scorable samples."""
+    from nearpolicy import trainer as trainer_module
+    from nearpolicy.tasks.scoring import BoundedScorer
+
+    trainer, logs = _trainer(tiny_model_dir, tmp_path, "algorithm.group_size=4", "algorithm.prompts_per_step=1")
+    trainer.scorer.close()
+    trainer.scorer = BoundedScorer(FlakyTask(), 10.0)
+    seen, real = [], trainer_module.compute_advantages
+
+    def recorded(name, rewards, groups):
+        seen.append((rewards, real(name, rewards, groups)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(trainer_module, "compute_advantages", recorded)
     first = trainer.train_step()
-    assert len(calls) == 4 and first["reward/scorer_errors"] == 2.0 and first["reward/mean"] == 0.5
+    ((rewards, result),) = seen
+    assert rewards[0] == 1.0 and rewards[3] == 1.0 and torch.isnan(rewards[1:3]).all()
+    assert torch.allclose(result.advantages.double(), torch.zeros(4, dtype=torch.float64), atol=1e-12)
+    assert first["reward/mean"] == 1.0 and first["reward/std"] == 0.0
+    assert first["reward/unscorable"] == 2.0 and first["reward/timeouts"] == 0.0 and first["reward/scorer_errors"] == 2.0
+    assert any("2 of 4 reward call(s) unscorable, e.g. RuntimeError: checker crashed" in m for m in logs)
     assert trainer.train_step()["reward/scorer_errors"] == 4.0  # cumulative
+    assert trainer.s.engine.stop_ids == {0, 2, 4} and trainer.s.plan["stop_token_ids"] == [0, 2, 4]  # llama.cpp's EOG
+    trainer.close()
+
+
+def test_resume_on_changed_jsonl_data_is_refused_naming_the_change(tiny_model_dir, tmp_path):
+    """Appending 11 lines to a 100-line task and resuming: refused before anything loads, saying what changed."""
+    import hashlib
+
+    from nearpolicy.trainer import RunExistsError, Trainer
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(100)))
+    before = hashlib.sha256(data.read_bytes()).hexdigest()
+    extra = ("task.kind=jsonl", f"task.path='{data}'")
+    trainer, _ = _trainer(tiny_model_dir, tmp_path, *extra)
+    plan = json.loads((trainer.run_dir / "plan.json").read_text())
+    assert plan["data"] == {"kind": "jsonl", "path": str(data), "sha256": before, "bytes": data.stat().st_size,
+                            "lines": 100}
+    trainer.close()
+    with data.open("a") as handle:
+        handle.write("".join(json.dumps({"prompt": f"What is {i} - 1?", "answer": i - 1}) + "\n" for i in range(11)))
+    after = hashlib.sha256(data.read_bytes()).hexdigest()
+    with pytest.raises(RunExistsError, match=rf"--resume on changed data: task\.path data\.jsonl changed: 100 -> 111 "
+                                             rf"lines, \d+ -> \d+ bytes, sha256 {before[:12]} -> {after[:12]}"):
+        Trainer(_cfg(tiny_model_dir, tmp_path, *extra), resume=True, log=lambda m: None)
 
 
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):

@@ -220,3 +220,16 @@ def test_report_opens_in_headless_chromium_with_every_image_loaded(main_job_run:
     assert image.format == "PNG" and image.width == 1000 and image.height > 800
     low, high = image.convert("L").getextrema()
     assert low < high
+
+
+def test_summary_report_and_compare_show_each_runs_effective_correction(tmp_path: Path, capsys: pytest.CaptureFixture):
+    icepop, tis = "icepop: token mask [0.5, 5], decoupled", "tis: token truncate [0, 2], decoupled"
+    first = _write_run(tmp_path / "run-a", _fake_rows(), plan={"engine": "llamacpp:q8_0", "correction_effective": icepop})
+    second = _write_run(tmp_path / "run-b", _fake_rows(), plan={"engine": "llamacpp:q8_0", "correction_effective": tis})
+    assert main(["summary", str(first)]) == 0
+    assert f"Correction: {icepop}\n" in capsys.readouterr().out
+    assert main(["report", str(first), "-o", str(tmp_path / "one.html")]) == 0
+    assert f"<td>{icepop}</td>" in (tmp_path / "one.html").read_text()
+    assert main(["compare", str(first), str(second), "-o", str(tmp_path / "two.html")]) == 0
+    page = (tmp_path / "two.html").read_text()
+    assert "<th>correction</th>" in page and f"<td>{icepop}</td>" in page and f"<td>{tis}</td>" in page

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -229,9 +230,10 @@ class _Exploding:
 
 def test_safe_score(chain_sum: ReasoningGymTask) -> None:
     problem = Problem("q", "1", {})
-    assert safe_score(_Exploding(), "x", problem) == (0.0, "RuntimeError: checker broke")
+    reward, error = safe_score(_Exploding(), "x", problem)  # unscorable: NaN (left out of group statistics), not 0
+    assert math.isnan(reward) and error == "RuntimeError: checker broke"
     reward, error = safe_score(_Exploding(), "nan", problem)
-    assert reward == 0.0 and error is not None and error.startswith("ValueError")
+    assert math.isnan(reward) and error is not None and error.startswith("ValueError")
     real = chain_sum.eval_problems()[0]
     assert safe_score(chain_sum, f"Answer: {real.answer}", real) == (1.0, None)
 

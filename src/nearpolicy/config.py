@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nearpolicy.engines.base import LLAMA_MAX_SEQ
+
 Precision = Literal["f32", "f16", "bf16", "q8_0", "q5_0", "q4_0", "q4_1", "mxfp4"]
 
 
@@ -51,7 +53,8 @@ class EngineConfig(Section):
     hf_dtype: Literal["fp32", "bf16"] = "fp32"
     """hf engine: dtype of the weights and KV cache."""
     max_parallel_sequences: int = Field(64, ge=1)
-    """Sequences decoded together in one multi-sequence batch."""
+    """Sequences decoded together in one multi-sequence batch; llamacpp: at most 256 (llama.cpp's LLAMA_MAX_SEQ,
+    the most sequences one context holds)."""
     kv_cache: Literal["f16", "f32"] = "f16"
     """llamacpp: KV-cache dtype."""
     flash_attention: bool = False
@@ -106,6 +109,9 @@ class TaskConfig(Section):
     eval_size: int = Field(128, ge=1)
     eval_seed: int = 1234
     """Seed of the held-out eval set (disjoint from the training seed)."""
+    reward_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Hard time limit of one reward call, seconds (0 < t <= 3600). Scoring runs in a separate process that is
+    killed and restarted when a call runs over: that sample scores 0 and is counted in reward/timeouts."""
     system_prompt: str = (
         "Solve the problem. Think briefly, then give the final answer on the last line as: Answer: <number>"
     )
@@ -250,10 +256,9 @@ class CorrectionConfig(Section):
 
     def spec(self):
         """The composable CorrectionSpec this section describes. Raises ValueError for inconsistent bounds."""
-        from nearpolicy.ops.correction_presets import correction_spec
+        from nearpolicy.ops.correction_presets import PRESET_FIELDS, correction_spec
 
-        fields = ("level", "action", "lower", "upper", "mode", "veto", "mix", "self_normalize")
-        overrides = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        overrides = {name: getattr(self, name) for name in PRESET_FIELDS if getattr(self, name) is not None}
         return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
 
 
@@ -324,6 +329,10 @@ class Config(Section):
     def _sections_agree(self) -> "Config":
         if self.rollout.engines and self.engine.kind != "llamacpp":
             raise ValueError("rollout.engines >= 1 runs llama.cpp replicas: set engine.kind = 'llamacpp'")
+        e = self.engine
+        if e.kind == "llamacpp" and e.max_parallel_sequences > LLAMA_MAX_SEQ:
+            raise ValueError(f"engine.max_parallel_sequences = {e.max_parallel_sequences} exceeds llama.cpp's limit of "
+                             f"{LLAMA_MAX_SEQ} sequences per context (LLAMA_MAX_SEQ); use at most {LLAMA_MAX_SEQ}")
         if self.algorithm.group_size > self.engine.max_parallel_sequences:
             raise ValueError(f"algorithm.group_size ({self.algorithm.group_size}) exceeds engine.max_parallel_sequences "
                              f"({self.engine.max_parallel_sequences}): a group is decoded in one batch")
@@ -363,7 +372,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     """Read a TOML file (or the defaults when `path` is None), apply `--set` overrides, validate.
 
-    Raises ConfigError naming the offending key."""
+    Layers: defaults < file < `--set`. A layer that changes correction.preset takes the new preset's own fields
+    (level, action, lower, upper, mode, veto, mix, self_normalize) except those it sets itself; a lower layer's
+    values for them are dropped. Raises ConfigError naming the offending key."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -374,8 +385,12 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"cannot read config file {path}: {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    for item in overrides:
-        keys, value = parse_override(item)
+    from nearpolicy.ops.correction_presets import drop_replaced_preset_fields
+
+    parsed = [(item, *parse_override(item)) for item in overrides]
+    drop_replaced_preset_fields(data.get("correction"), CorrectionConfig().preset,
+                                {tuple(keys[1:]): value for _, keys, value in parsed if keys[0] == "correction"})
+    for item, keys, value in parsed:
         node = data
         for part in keys[:-1]:
             node = node.setdefault(part, {})

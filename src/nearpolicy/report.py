@@ -21,6 +21,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from nearpolicy.summary import effective_correction
+
 NOT_RECORDED = "not recorded in this run"
 LINESTYLES = ("-", "--", ":", "-.")
 
@@ -231,7 +233,8 @@ def _missing_notes(panel: Panel, runs: Sequence[Run]) -> list[str]:
 
 # -- header table and page -------------------------------------------------------------------------------------------
 def run_summary(run: Run) -> dict[str, str]:
-    """The header row of a run: name, model, engine, steps, final and peak eval accuracy, median k3, total time."""
+    """The header row of a run: name, model, engine, effective correction, steps, final and peak eval accuracy,
+    median k3, total time."""
     section = lambda name: run.config.get(name) if isinstance(run.config.get(name), dict) else {}  # noqa: E731
     model = section("model").get("path") or Path(str(run.plan.get("model_file", ""))).name
     engine = run.plan.get("engine") or "unknown (no plan.json)"
@@ -244,6 +247,7 @@ def run_summary(run: Run) -> dict[str, str]:
     peak = max(evals, key=lambda point: point[1]) if evals else None
     return {
         "run": run.name, "model": str(model or "unknown (no config.json)"), "engine": str(engine),
+        "correction": str(effective_correction(run.plan) or "unknown (no plan.json)"),
         "steps": f"{steps} of {planned}" if planned else str(steps),
         "final eval accuracy": f"{evals[-1][1]:.3f} (step {evals[-1][0]})" if evals else NOT_RECORDED,
         "peak eval accuracy": f"{peak[1]:.3f} (step {peak[0]})" if peak else NOT_RECORDED,

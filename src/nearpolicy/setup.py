@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from nearpolicy.config import Config, EngineConfig
+from nearpolicy.ops.correction_presets import describe_correction
 from nearpolicy.tasks import Problem, Task, make_task
 
 
@@ -77,17 +78,16 @@ def export_engine_gguf(model: torch.nn.Module, folder: Path, engine: EngineConfi
     return path
 
 
-def stop_token_ids(tokenizer, model) -> set[int]:
-    ids = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return ids
+def stop_token_ids(model, tokenizer, template: Path | None, folder: Path) -> set[int]:
+    """Every id that ends a response, for every engine: llama.cpp's end-of-generation set (llama_vocab_is_eog over
+    the vocabulary) of the GGUF metadata the llama.cpp engine gets (`template`'s, else the one written from
+    `tokenizer`), read from a tensor-less GGUF written to `folder`. SmolLM2: {0, 2, 4}, a superset of the HF
+    tokenizer's eos (2) and <|im_end|> (2) (invariant 18)."""
+    from nearpolicy.engines.gguf_export import export_vocab_gguf
+    from nearpolicy.engines.llamacpp import eog_token_ids
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return set(eog_token_ids(export_vocab_gguf(model.config, folder / "vocab.gguf", template, tokenizer)))
 
 
 def build_session(cfg: Config, run_dir: Path, log) -> Session:
@@ -110,8 +110,9 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
     template = resolved.path if resolved.kind == "gguf" else None
     engine_dir = run_dir / "engine"
+    stop_ids = stop_token_ids(model, tokenizer, template, engine_dir)
     probe_prompt = chat_prompt_ids(tokenizer, t.system_prompt, task.train_problem(0).question)
-    engine = _make_engine(cfg, model, tokenizer, template, engine_dir, probe_prompt)
+    engine = _make_engine(cfg, model, tokenizer, template, engine_dir, stop_ids, probe_prompt)
     plan = {
         "model_file": str(resolved.path), "model_kind": resolved.kind,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -120,7 +121,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
         "samples_per_minibatch": a.group_size * a.prompts_per_step // a.minibatches,
         "total_samples": a.group_size * a.prompts_per_step * cfg.run.steps,
         "eval_problems": len(task.eval_problems()),
-        "stop_token_ids": sorted(stop_token_ids(tokenizer, model)),
+        "stop_token_ids": sorted(stop_ids),
     }
     ref_model = None
     if a.kl_coef > 0:  # the reference policy: the model.path weights, frozen (the same after a resume)
@@ -135,6 +136,8 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
             raise ValueError(f"distill.teacher {cfg.distill.teacher!r} has a different tokenizer from the policy")
         teacher = teacher.float().eval().requires_grad_(False)
     plan["correction"] = repr(cfg.correction.spec())
+    plan["correction_effective"] = describe_correction(cfg.correction.preset, cfg.correction.spec())
+    log(f"correction: {plan['correction_effective']}")
     log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
         f"{plan['samples_per_step']} samples/step, run folder {run_dir}")
     return Session(cfg, model, tokenizer, task, engine, optimizer, template, engine_dir, plan, ref_model, teacher)
@@ -155,7 +158,8 @@ def engine_spec(cfg: Config, gguf_path: Path, version: int = 0, threads: int | N
                       cfg.run.threads if threads is None else threads, e.kv_cache, e.flash_attention, e.extra_buffers)
 
 
-def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path, probe_prompt: list[int]):
+def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_dir: Path, stop_ids: set[int],
+                 probe_prompt: list[int]):
     """The llamacpp engine runs in its own process (a native crash stops that process, not the trainer) and is
     probed on the exported GGUF before it is handed back; the hf engine runs in this process."""
     e = cfg.engine
@@ -167,4 +171,4 @@ def _make_engine(cfg: Config, model, tokenizer, template: Path | None, engine_di
                              log_path=engine_dir / "llamacpp.log", probe_prompt=probe_prompt)
     from nearpolicy.engines.hf import HFEngine
 
-    return HFEngine(model, stop_token_ids(tokenizer, model), dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)
+    return HFEngine(model, stop_ids, dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)

@@ -27,7 +27,8 @@ from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save
 from nearpolicy.setup import Session, build_session
 from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
-from nearpolicy.tasks.base import safe_score
+from nearpolicy.tasks.identity import data_changes, data_identity
+from nearpolicy.tasks.scoring import BoundedScorer, ScoreResult
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
 
@@ -60,8 +61,10 @@ class Trainer:
         existing = list_checkpoints(self.run_dir) or (self.run_dir / "metrics.jsonl").exists()
         if existing and not resume:
             raise RunExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or set run.name")
-        if resume:  # refuse a changed config before the minutes of loading
+        self.data = data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
+        if resume:  # refuse a changed config or changed data before the minutes of loading
             _check_same_config(self.run_dir / "config.json", cfg)
+            _check_same_data(self.run_dir / "plan.json", self.data)
         created = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.run.seed)
@@ -71,6 +74,7 @@ class Trainer:
             if created:  # a run that never started leaves no folder to block the retry
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
+        self.scorer = BoundedScorer(self.s.task, cfg.task.reward_timeout_s)
         self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
                                        cfg.sampling.max_new_tokens)
         self.settings = _update_settings(cfg)
@@ -91,7 +95,7 @@ class Trainer:
             self.async_rollouts = AsyncRollouts(cfg, self.s, self.sampling, self.state.version, self.state.data_position,
                                                 self.state.scheduler, log)
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
-        write_json(self.run_dir / "plan.json", self.s.plan | {"resumed_at_step": self.state.step})
+        write_json(self.run_dir / "plan.json", self.s.plan | {"data": self.data, "resumed_at_step": self.state.step})
         self.metrics = MetricsSink(self.run_dir, cfg.logging.tensorboard)
 
     # -- phases ----------------------------------------------------------------------------------
@@ -102,14 +106,30 @@ class Trainer:
         seed = int(np.random.SeedSequence([self.cfg.run.seed, self.state.step]).generate_state(1)[0])
         return self.s.engine.generate(requests, self.sampling, seed)
 
-    def _reward(self, completion_ids: list[int], problem: Problem) -> tuple[float, str | None]:
-        """Score the response text only (0 with an error message when the scorer raises)."""
-        return safe_score(self.s.task, self.s.tokenizer.decode(completion_ids, skip_special_tokens=True), problem)
+    def _reward(self, completions: list[list[int]], problems: list[Problem], phase: str) -> list[ScoreResult]:
+        """Score each response text only (never the prompt), in one batch, each call within task.reward_timeout_s:
+        NaN when the scorer raises or returns no number in [0, 1] (unscorable), 0 on a timeout. `phase` names the
+        step or eval in the warning that failed calls get."""
+        texts = [self.s.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        results = self.scorer.score(list(zip(texts, problems)))
+        for status in ("error", "timeout"):
+            failed = [r for r in results if r.status == status]
+            if failed:
+                self.log(f"warning: {phase}: {len(failed)} of {len(results)} reward call(s) "
+                         f"{'unscorable' if status == 'error' else 'timed out'}, e.g. {failed[0].message}")
+        return results
 
-    def score(self, rollouts: list[Rollout], problems: dict[int, Problem]) -> None:
-        for r in rollouts:
-            r.reward, error = self._reward(r.completion_ids, problems[r.group_id])
-            self.state.scorer_errors += error is not None
+    def score(self, rollouts: list[Rollout], problems: dict[int, Problem]) -> dict[str, float]:
+        """Set each rollout's reward (NaN = unscorable: left out of the group statistics, advantage 0; a timeout
+        scores 0). Returns the step's counts reward/unscorable and reward/timeouts."""
+        results = self._reward([r.completion_ids for r in rollouts], [problems[r.group_id] for r in rollouts],
+                               f"step {self.state.step + 1}")
+        for r, result in zip(rollouts, results):
+            r.reward = result.reward
+        unscorable = sum(result.status == "error" for result in results)
+        self.state.scorer_errors += unscorable
+        return {"reward/unscorable": float(unscorable),
+                "reward/timeouts": float(sum(result.status == "timeout" for result in results))}
 
     def distill_advantages(self, batch, task_advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Token advantages [B, T]: on-policy distillation from the engine's log-probs of its own samples and the
@@ -138,8 +158,12 @@ class Trainer:
         problems = self.s.task.eval_problems()
         prompts = [self.s.prompt_ids(p) for p in problems]
         completions = self.s.engine.greedy(prompts, self.cfg.sampling.max_new_tokens)
-        scores = [self._reward(c, p)[0] for c, p in zip(completions, problems)]
-        return {"eval/accuracy": float(np.mean(scores)), "eval/response_length": float(np.mean([len(c) for c in completions]))}
+        results = self._reward(completions, problems, f"eval at step {self.state.step}")
+        scores = np.array([r.reward for r in results], dtype=float)
+        scorable = scores[np.isfinite(scores)]  # accuracy over the scorable answers; a timeout counts as wrong
+        return {"eval/accuracy": float(scorable.mean()) if scorable.size else float("nan"),
+                "eval/unscorable": float(scores.size - scorable.size),
+                "eval/response_length": float(np.mean([len(c) for c in completions]))}
 
     def collect(self) -> tuple[list[Rollout], dict[int, Problem], dict[str, float]]:
         """The step's rollouts and their problems: sampled inline now, or taken from the async replicas."""
@@ -166,8 +190,10 @@ class Trainer:
         t0 = time.perf_counter()
         rollouts, by_group, async_metrics = self.collect()
         t["time/rollout"] = time.perf_counter() - t0
-        self.score(rollouts, by_group)
-        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+        t0 = time.perf_counter()
+        score_metrics = self.score(rollouts, by_group)
+        t["time/score"] = time.perf_counter() - t0
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)  # NaN = unscorable
         groups = torch.tensor([r.group_id for r in rollouts])
         adv = compute_advantages(cfg.algorithm.advantage, rewards, groups)
         advantages = adv.advantages.float()
@@ -210,8 +236,7 @@ class Trainer:
         n_tokens = float(batch.mask.sum())
         lengths = batch.mask.sum(1).float()
         out = {
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "reward/scorer_errors": float(self.state.scorer_errors),
+            **_reward_stats(rewards), **score_metrics, "reward/scorer_errors": float(self.state.scorer_errors),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
             "response/frac_truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
             "entropy": float(entropy[batch.mask].mean()),
@@ -278,7 +303,9 @@ class Trainer:
         return self.run_dir
 
     def close(self) -> None:
-        """Stop the engine replicas (async rollouts) and the engine's process; safe to call twice."""
+        """Stop the engine replicas (async rollouts), the engine's process and the scoring process; safe to call
+        twice."""
+        self.scorer.close()
         if self.async_rollouts is not None:
             self.async_rollouts.close()
             self.async_rollouts = None
@@ -338,18 +365,36 @@ RESUMABLE_KEYS = {"run.steps", "logging", "rollout.ray_address", "rollout.traine
 
 
 def _check_same_config(saved_path: Path, cfg: Config) -> None:
-    """Refuse a --resume whose config differs from the run's (except run.steps and logging.*)."""
+    """Refuse a --resume whose config differs from the run's (except run.steps and logging.*). A key the saved
+    config lacks (added to the schema since) counts as its default."""
     if not saved_path.exists():
         return
     saved = json.loads(saved_path.read_text())
-    now = cfg.model_dump(mode="json")
+    now, default = cfg.model_dump(mode="json"), Config().model_dump(mode="json")
     changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
-               if saved.get(section, {}).get(key) != value
+               if saved.get(section, {}).get(key, default[section][key]) != value
                and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
     if changed:
         raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
                              "(only run.steps, logging.*, rollout.ray_address, rollout.trainer_resources, engine.precision and "
                              "engine.extra_buffers may change; use a new run.name)")
+
+
+def _check_same_data(plan_path: Path, now: dict) -> None:
+    """Refuse a --resume whose data differs from the identity the run recorded in plan.json (runs from before
+    the record are not checked)."""
+    saved = json.loads(plan_path.read_text()).get("data") if plan_path.exists() else None
+    change = data_changes(saved, now) if saved is not None else None
+    if change:
+        raise RunExistsError(f"--resume on changed data: {change}; the run's order and held-out split come from "
+                             "the data it started with (restore it, or use a new run.name)")
+
+
+def _reward_stats(rewards: torch.Tensor) -> dict[str, float]:
+    """reward/mean and reward/std over the scorable (finite) rewards [N]; NaN when none is scorable."""
+    scorable = rewards[torch.isfinite(rewards)]
+    mean = float(scorable.mean()) if scorable.numel() else float("nan")
+    return {"reward/mean": mean, "reward/std": float(scorable.std()) if scorable.numel() > 1 else 0.0}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

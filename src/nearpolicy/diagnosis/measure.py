@@ -84,7 +84,7 @@ def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
     from nearpolicy.engines.hf import HFEngine
     from nearpolicy.setup import stop_token_ids
 
-    return HFEngine(ctx.model, stop_token_ids(ctx.tokenizer, ctx.model), dtype=candidate.precision,
+    return HFEngine(ctx.model, stop_token_ids(ctx.model, ctx.tokenizer, ctx.template_gguf, ctx.workdir), dtype=candidate.precision,
                     max_parallel_sequences=ctx.max_parallel)
 
 

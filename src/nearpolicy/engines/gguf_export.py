@@ -92,6 +92,40 @@ def export_gguf(
     start = time.perf_counter()
     report = ExportReport(path=out_path, precision=precision)
 
+    writer, tensor_order = _metadata_writer(config, ftype, template_gguf, tokenizer)
+    for selector, _ in tensor_precision:
+        validate_selector(selector)  # an unknown selector fails before anything is written
+
+    def qtype_of(name: str) -> gguf.GGMLQuantizationType:
+        default = (embedding_precision or precision) if name in _EMBEDDING else precision
+        return QTYPES[precision_for(name, default, tensor_precision)][0]
+
+    for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype_of, tensor_order, report):
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    for selector, _ in tensor_precision:  # a selector that picks nothing is a typo or the wrong model
+        if not any(selector_matches(selector, name) for name in report.tensor_types):
+            raise ValueError(f"tensor selector {selector!r} matches no tensor of this model ({config.num_hidden_layers} "
+                             f"blocks, blk.0-{config.num_hidden_layers - 1}"
+                             f"{'; the output head is tied to the embeddings' if 'output.weight' not in report.tensor_types else ''})")
+
+    _write_atomically(writer, out_path)
+    report.bytes = out_path.stat().st_size
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def export_vocab_gguf(config: Any, out_path: Path, template_gguf: Path | None, tokenizer: Any = None) -> Path:
+    """Write a GGUF holding only the metadata `export_gguf` would write (no tensors): enough for llama.cpp to load
+    the vocabulary (`vocab_only`), e.g. to read its end-of-generation set. Raises as `export_gguf`."""
+    writer, _ = _metadata_writer(config, QTYPES["f32"][1], template_gguf, tokenizer)
+    _write_atomically(writer, Path(out_path))
+    return Path(out_path)
+
+
+def _metadata_writer(config: Any, ftype: gguf.LlamaFileType, template_gguf: Path | None,
+                     tokenizer: Any) -> tuple[gguf.GGUFWriter, tuple[str, ...]]:
+    """A GGUFWriter holding the metadata (template or tokenizer fields, arch keys from `config`) and the
+    template's tensor order (empty without a template)."""
     writer = gguf.GGUFWriter(path=None, arch=_ARCH)
     arch_kv = _arch_metadata(config, ftype)
     tensor_order: tuple[str, ...] = ()
@@ -111,21 +145,11 @@ def export_gguf(
         raise ValueError("export_gguf needs template_gguf or an HF tokenizer for the tokenizer metadata")
     for key, v in arch_kv.items():
         writer.add_key_value(key, v.value, v.type)
-    for selector, _ in tensor_precision:
-        validate_selector(selector)  # an unknown selector fails before anything is written
+    return writer, tensor_order
 
-    def qtype_of(name: str) -> gguf.GGMLQuantizationType:
-        default = (embedding_precision or precision) if name in _EMBEDDING else precision
-        return QTYPES[precision_for(name, default, tensor_precision)][0]
 
-    for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype_of, tensor_order, report):
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
-    for selector, _ in tensor_precision:  # a selector that picks nothing is a typo or the wrong model
-        if not any(selector_matches(selector, name) for name in report.tensor_types):
-            raise ValueError(f"tensor selector {selector!r} matches no tensor of this model ({config.num_hidden_layers} "
-                             f"blocks, blk.0-{config.num_hidden_layers - 1}"
-                             f"{'; the output head is tied to the embeddings' if 'output.weight' not in report.tensor_types else ''})")
-
+def _write_atomically(writer: gguf.GGUFWriter, out_path: Path) -> None:
+    """Header, metadata and tensors to a temp file beside `out_path`, fsynced, then renamed over it."""
     fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(tmp_name)
@@ -143,9 +167,6 @@ def export_gguf(
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(out_path.parent)
-    report.bytes = out_path.stat().st_size
-    report.seconds = time.perf_counter() - start
-    return report
 
 
 def tensor_precision(hf_name: str, config: Any, precision: str, overrides: PrecisionMap = (),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.base import LLAMA_MAX_SEQ, EngineError
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
@@ -102,6 +102,9 @@ class LlamaCppEngine:
     def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
                  threads: int = 2, version: int = 0, unified_kv: bool = True, kv_cache: str = "f16",
                  flash_attention: bool = False, extra_buffers: bool = False):
+        if not 1 <= max_parallel_sequences <= LLAMA_MAX_SEQ:
+            raise ValueError(f"engine.max_parallel_sequences = {max_parallel_sequences} is outside llama.cpp's range "
+                             f"[1, {LLAMA_MAX_SEQ}] (LLAMA_MAX_SEQ sequences per context)")
         self.max_context = max_context
         self.max_parallel = max_parallel_sequences
         self.threads = threads
@@ -317,3 +320,20 @@ class LlamaCppEngine:
 
 def _lib_is_eog(vocab, token: int) -> bool:
     return bool(_llama().llama_vocab_is_eog(vocab, token))
+
+
+def eog_token_ids(gguf_path: Path) -> frozenset[int]:
+    """Every token id llama.cpp ends a response on (llama_vocab_is_eog over the whole vocabulary) for the GGUF at
+    `gguf_path`, loaded vocabulary-only (a metadata-only GGUF from gguf_export.export_vocab_gguf will do). For
+    SmolLM2: {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}. Raises EngineError when llama.cpp cannot load it."""
+    lib = _llama()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(str(gguf_path).encode(), params)
+    if not model:
+        raise EngineError(f"llama.cpp could not load the vocabulary of {gguf_path}")
+    try:
+        vocab = lib.llama_model_get_vocab(model)
+        return frozenset(t for t in range(lib.llama_vocab_n_tokens(vocab)) if lib.llama_vocab_is_eog(vocab, t))
+    finally:
+        lib.llama_model_free(model)

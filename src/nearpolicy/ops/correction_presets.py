@@ -100,8 +100,52 @@ _preset("pnpo_weight", CorrectionSpec("prefix_geometric", "none", mode="bypass")
         "PNPO variant, reconstructed from the abstract of arXiv:2608.01418 (docs/math.md sec. 11)")
 
 
+PRESET_FIELDS = ("level", "action", "lower", "upper", "mode", "veto", "mix", "self_normalize")
+"""The CorrectionSpec fields a named preset sets and a config may replace (config.CorrectionConfig)."""
+
+
+def drop_replaced_preset_fields(section: dict | None, default_preset: str,
+                                overrides: dict[tuple[str, ...], object]) -> None:
+    """Config layering (config.load_config): when the upper layer's `overrides` ((key,) -> value within
+    [correction]) change the preset, drop from the lower layer's raw [correction] `section` (in place) the preset
+    fields the upper layer does not set itself: they belong to the old preset (--set correction.preset=icepop over
+    a file with upper = 2.0 then runs IcePop on its own [0.5, 5], not on [0.5, 2])."""
+    new = overrides.get(("preset",))
+    if new is None or not isinstance(section, dict):
+        return
+    canonical = lambda name: "off" if name == "none" else name  # noqa: E731
+    if canonical(new) == canonical(section.get("preset", default_preset)):
+        return
+    for name in PRESET_FIELDS:
+        if (name,) not in overrides:
+            section.pop(name, None)
+
+
 def correction_spec(name: str, **overrides: object) -> CorrectionSpec:
     """The preset `name` with fields replaced, e.g. correction_spec("tis", upper=8.0). Raises KeyError for an
     unknown name (listing the valid ones) and ValueError for invalid field values."""
     return replace(CORRECTIONS.get(name)(), **overrides)
 
+
+
+def describe_correction(preset: str, spec: CorrectionSpec) -> str:
+    """One line naming the preset and what it computes, e.g. "icepop: token mask [0.5, 5], decoupled"; the
+    effective correction a run uses after its config layers are merged (printed at start, shown by summary,
+    report and compare)."""
+    if spec.action == "off":
+        core = "no IS weight"
+    else:
+        core = f"{spec.level} {spec.action}"
+        if spec.action in ("truncate", "mask"):
+            core += f" [{spec.lower:g}, {spec.upper:g}]"
+    parts = [core, spec.mode]
+    parts += [f"reject {r.statistic} at {r.level} in [{r.lower:.4g}, {r.upper:.4g}]" for r in spec.rejections]
+    if spec.veto is not None:
+        parts.append(f"veto {spec.veto:g}")
+    if spec.mix != 1.0:
+        parts.append(f"mix {spec.mix:g}")
+    if spec.self_normalize != "off":
+        parts.append(f"self-normalised per {spec.self_normalize}")
+    if spec.prefix_inclusive:
+        parts.append("prefix inclusive")
+    return f"{preset}: {', '.join(parts)}"

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Problem", "Task", "safe_score"]
+__all__ = ["UNSCORABLE", "Problem", "Task", "safe_score"]
 
 
 @dataclass(frozen=True)
@@ -38,22 +38,30 @@ class Task(Protocol):
         ...
 
     def score(self, response: str, problem: Problem) -> float:
-        """Reward in [0, 1] for ``response`` (the response text only, never the prompt)."""
+        """Reward in [0, 1] for ``response`` (the response text only, never the prompt). It runs in a scoring
+        process (tasks/scoring.py): the task must be picklable; an optional ``warm_up()`` method is called there
+        once before the first reward call (imports, caches), outside the per-call time limit."""
         ...
 
 
-def safe_score(task: Task, response: str, problem: Problem) -> tuple[float, str | None]:
-    """Score without crashing the run.
+UNSCORABLE = math.nan
+"""The reward of a sample its scorer could not score: left out of its group's statistics (advantage 0)."""
 
-    Returns ``(reward, None)`` on success, or ``(0.0, "ExceptionType: message")`` if the scorer
-    raised or returned something that is not a finite number in [0, 1].
+
+def safe_score(task: Task, response: str, problem: Problem) -> tuple[float, str | None]:
+    """Score without crashing the run, in the calling thread, without a time limit (the trainer scores through
+    tasks.scoring.BoundedScorer, which adds one).
+
+    Returns ``(reward, None)`` on success, or ``(nan, "ExceptionType: message")`` if the scorer raised or
+    returned something that is not a finite number in [0, 1]: an unscorable sample is not a wrong answer, and
+    the advantage estimators leave NaN rewards out of the group statistics (ops/advantages.py).
     """
     try:
         reward = float(task.score(response, problem))
     except Exception as exc:  # a broken scorer must cost one sample, not the run
-        return 0.0, f"{type(exc).__name__}: {exc}"
+        return UNSCORABLE, f"{type(exc).__name__}: {exc}"
     if not (math.isfinite(reward) and 0.0 <= reward <= 1.0):
-        return 0.0, f"ValueError: task {task.name!r} returned reward {reward!r} outside [0, 1]"
+        return UNSCORABLE, f"ValueError: task {task.name!r} returned reward {reward!r} outside [0, 1]"
     return reward, None
 
 

@@ -159,6 +159,11 @@ class JsonlTask:
         """The held-out eval problems in file order (a new list each call)."""
         return list(self._eval)
 
+    def warm_up(self) -> None:
+        """Import math-verify and its parsers (seconds), so that a scoring process's first reward call is not
+        charged for them (tasks/scoring.py)."""
+        math_equal("1", "1")
+
     def score(self, response: str, problem: Problem) -> float:
         """1.0 if ``response``'s final answer is math-equivalent to the reference, else 0.0."""
         return math_equal(problem.answer, response)
