@@ -57,15 +57,13 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace) -> int:
+    from nearpolicy.runs import RunFolderError
     from nearpolicy.summary import summarize
 
     try:
-        print(summarize(args.run_dir))
-    except OSError as err:
+        print(summarize(args.run_dir, warn=lambda warning: print(f"warning: {warning}", file=sys.stderr)))
+    except RunFolderError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    except UnicodeDecodeError:
-        print(f"error: {args.run_dir / 'metrics.jsonl'} is not UTF-8 text", file=sys.stderr)
         return 2
     return 0
 
