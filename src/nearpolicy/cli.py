@@ -1,5 +1,5 @@
 """Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`,
-`nearpolicy summary RUN_DIR`, `nearpolicy report RUN_DIR [-o OUT.html]`,
+`nearpolicy config`, `nearpolicy summary RUN_DIR`, `nearpolicy report RUN_DIR [-o OUT.html]`,
 `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`, `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`,
 `nearpolicy doctor`."""
 
@@ -53,6 +53,13 @@ def _list(args: argparse.Namespace) -> int:
         print(f"{registry.family}{'es' if registry.family.endswith('s') else 's'}:")
         for entry in registry:
             print(f"  {entry.name:<28} {entry.summary}  [{entry.source}]")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from nearpolicy.config_reference import config_reference
+
+    print(config_reference(), end="")
     return 0
 
 
@@ -159,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     lister = sub.add_parser("list", help="list registered advantage estimators, losses, KL estimators and corrections")
     lister.set_defaults(func=_list)
+    sub.add_parser("config", help="every config key with its default, range or choices, and what it does").set_defaults(
+        func=_config)
     summary = sub.add_parser("summary", help="markdown summary of a run folder (accuracy, mismatch, timings)")
     summary.add_argument("run_dir", type=Path)
     summary.set_defaults(func=_summary)
