@@ -401,3 +401,11 @@ def test_a_resume_that_changes_the_engine_precision_says_so():
     runs.note_engine_precision({}, "f16", said.append)  # a checkpoint from before the record
     assert said == ["engine.precision changes on resume: q8_0 -> f16 (the weights are exported at f16 from now on; "
                     "expect a different engine/trainer mismatch)"]
+
+
+def test_resume_is_refused_before_loading_when_metrics_are_damaged(tmp_path):
+    run = _metrics_file(tmp_path / "r", '{"step": 0}\n{"step": 1, "x": nul}\n{"step": 2}\n')
+    with pytest.raises(runs.RunFolderError, match="line 2 is not valid JSON"):
+        runs.check_resume(run, Config(), {"kind": "reasoning_gym"})
+    _metrics_file(run, '{"step": 0}\n{"step": 1, "x": 0.5}\n{"step": 2, "x"')  # a kill's cut-short line: resumable
+    runs.check_resume(run, Config(), {"kind": "reasoning_gym"})

@@ -325,6 +325,15 @@ def check_same_data(plan_path: Path, now: dict) -> None:
                              "the data it started with (restore it, or use a new run.name)")
 
 
+def check_resume(run_dir: Path, cfg: Config, data: dict) -> None:
+    """Refuse a --resume before anything loads: a changed config or data (RunExistsError) or a damaged
+    metrics.jsonl (RunFolderError, which the resume would meet only after the minutes of loading)."""
+    check_same_config(run_dir / "config.json", cfg)
+    check_same_data(run_dir / "plan.json", data)
+    if (run_dir / METRICS).exists():
+        read_metrics(run_dir)
+
+
 def resume_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       restore_extra: Callable[[Path, dict[str, torch.Tensor] | None], None],
                       log=print) -> tuple[Path, dict] | None:

@@ -22,8 +22,8 @@ from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
-from nearpolicy.runs import (MetricsSink, RunExistsError, check_same_config, check_same_data, list_checkpoints,
-                             note_engine_precision, resume_checkpoint, save_checkpoint, write_json)
+from nearpolicy.runs import (MetricsSink, RunExistsError, check_resume, list_checkpoints, note_engine_precision,
+                             resume_checkpoint, save_checkpoint, write_json)
 from nearpolicy.setup import Session, build_session
 from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
@@ -58,9 +58,8 @@ class Trainer:
         if existing and not resume:
             raise RunExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or set run.name")
         self.data = data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
-        if resume:  # refuse a changed config or changed data before the minutes of loading
-            check_same_config(self.run_dir / "config.json", cfg)
-            check_same_data(self.run_dir / "plan.json", self.data)
+        if resume:  # refuse a changed config, changed data or damaged metrics before the minutes of loading
+            check_resume(self.run_dir, cfg, self.data)
         created = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.run.seed)
