@@ -155,3 +155,68 @@ def test_reward_timeout_is_validated():
     for bad in ("0", "-1", "3601", "nan"):
         with pytest.raises(ConfigError, match=r"task\.reward_timeout_s"):
             load_config(None, [f"task.reward_timeout_s={bad}"])
+
+
+def test_every_key_has_a_doc_and_nearpolicy_config_prints_each_with_default_and_range(capsys):
+    from nearpolicy.cli import main
+    from nearpolicy.config_reference import undocumented
+
+    assert undocumented() == []
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    keys = [f"{section}.{key}" for section, s in Config.model_fields.items() for key in s.annotation.model_fields]
+    assert len(keys) == 79
+    for key in keys:
+        assert f"  {key} = " in out, key
+    lines = out.splitlines()
+    at = lines.index("  algorithm.clip_high = 0.28    [float; >= 0]")
+    assert lines[at + 1].startswith("      Upper PPO clip")  # the doc under the key
+    assert "  run.seed = 0    [int; >= 0, < 4294967296]" in lines
+    assert '  correction.proximal = "old"    [choice; one of: old, ewma, a3po]' in lines
+    assert "  algorithm.dual_clip = 3.0    [float | None; > 1]" in lines and "  distill.teacher = unset    [str | None]" in lines
+    assert "mc_grpo_released" in out and "token_tis_veto" in out  # registry names, read from the registries
+
+
+def test_choice_lists_and_defaults_have_one_source():
+    """config.py declares no list or default of its own where ops/, engines/, tasks/ or types.py hold one."""
+    import typing
+
+    from nearpolicy.config_reference import allowed
+    from nearpolicy.engines.base import ENGINE_KINDS
+    from nearpolicy.engines.gguf_export import PRECISIONS, QTYPES
+    from nearpolicy.engines.hf import DTYPES
+    from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
+    from nearpolicy.ops.advantages import ADVANTAGES
+    from nearpolicy.ops.correction_presets import CORRECTIONS
+    from nearpolicy.ops.corrections import ACTIONS, LEVELS, MODES
+    from nearpolicy.ops.kl import KL_ESTIMATORS
+    from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
+    from nearpolicy.ops.masked import AGGREGATIONS
+    from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS
+    from nearpolicy.ops.self_normalize import SELF_NORMALIZE
+    from nearpolicy.proximal_policy import PROXIMALS
+    from nearpolicy.tasks.factory import TASK_KINDS
+    from nearpolicy.types import SamplingParams
+
+    def choices(section: str, key: str) -> list[str]:
+        return allowed(Config.model_fields[section].annotation.model_fields[key]).removeprefix("one of: ").split(", ")
+
+    expected = {("engine", "kind"): ENGINE_KINDS, ("engine", "precision"): PRECISIONS,
+                ("engine", "tensor_precision"): PRECISIONS, ("engine", "hf_dtype"): DTYPES,
+                ("engine", "kv_cache"): KV_CACHE_TYPES, ("task", "kind"): TASK_KINDS,
+                ("algorithm", "advantage"): ADVANTAGES.names(), ("algorithm", "loss"): POLICY_LOSSES.names(),
+                ("algorithm", "aggregation"): AGGREGATIONS, ("algorithm", "kl_estimator"): KL_ESTIMATORS.names(),
+                ("correction", "preset"): ["none", *CORRECTIONS.names()], ("correction", "level"): LEVELS,
+                ("correction", "action"): ACTIONS, ("correction", "mode"): MODES,
+                ("correction", "self_normalize"): SELF_NORMALIZE, ("correction", "proximal"): PROXIMALS,
+                ("correction", "adaptive_mix"): ADAPTIVE_MIXES, ("correction", "center"): CENTERINGS}
+    for (section, key), names in expected.items():
+        assert choices(section, key) == list(names), (section, key)
+    assert tuple(QTYPES) == PRECISIONS
+    cfg, loss, sampling = Config(), PolicyLossParams(), SamplingParams()
+    a, s = cfg.algorithm, cfg.sampling
+    assert (a.clip_low, a.clip_high, a.dual_clip, a.kl_coef, a.kl_estimator) == (
+        loss.clip_low, loss.clip_high, loss.dual_clip, loss.kl_coef, loss.kl_estimator) == (0.2, 0.28, 3.0, 0.0, "k3_is")
+    assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (
+        sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens) == (1.0, 1.0, 0, 64)
+    assert typing.get_args(Config.model_fields["engine"].annotation.model_fields["precision"].annotation) == PRECISIONS

@@ -110,7 +110,7 @@ def test_ewma_state_survives_a_checkpoint_bit_for_bit_and_old_checkpoints_still_
     fresh_model = copy.deepcopy(model)
     fresh = EwmaPolicy(fresh_model, 0.7)
     load_checkpoint(path, fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=1e-2))
-    restore_proximal(fresh, path, fresh_model, log=lambda _: None)
+    restore_proximal(fresh, load_extra_tensors(path), fresh_model, log=lambda _: None)
     assert torch.equal(fresh.weight_sum, ewma.weight_sum) and fresh.weight_sum.item() == 1.7
     saved = dict(ewma.model.named_parameters())
     for name, p in fresh.model.named_parameters():
@@ -122,8 +122,8 @@ def test_ewma_state_survives_a_checkpoint_bit_for_bit_and_old_checkpoints_still_
     assert set(load_file(str(path / "extra.safetensors"))) == set(ewma.state_tensors())
     warnings = []
     load_checkpoint(legacy, fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=1e-2))
-    restore_proximal(fresh, legacy, fresh_model, log=warnings.append)
-    assert fresh.weight_sum.item() == 1.0 and "no PPO-EWMA" in warnings[0]
+    restore_proximal(fresh, load_extra_tensors(legacy), fresh_model, log=warnings.append, where=legacy)
+    assert fresh.weight_sum.item() == 1.0 and f"checkpoint {legacy} holds no PPO-EWMA" in warnings[0]
     for (name, p), q in zip(fresh.model.named_parameters(), m.parameters()):
         assert torch.equal(p, q), name
 

@@ -346,3 +346,66 @@ def test_bad_task_or_teacher_fails_before_the_policy_loads(tmp_path, monkeypatch
     monkeypatch.setattr(nearpolicy.models, "load_policy", policy_must_not_load)
     with pytest.raises(ValueError, match=named):
         build_session(load_config(None, [override]), tmp_path, print)
+
+
+def _metrics_file(run: Path, text: str) -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text(text)
+    return run
+
+
+def test_metrics_reader_skips_only_a_cut_short_last_line_and_names_any_other_damage(tmp_path):
+    """The one metrics.jsonl rule (runs.read_metrics), shared by resume, summary, report and compare."""
+    run = _metrics_file(tmp_path / "r", '{"step": 1, "a": 1.0}\n\n{"step": 0}\n{"step": 2, "a"')
+    log = runs.read_metrics(run)
+    assert [row["step"] for row in log.rows] == [0, 1]  # step order, blank line ignored
+    assert log.warnings == [f"{run / 'metrics.jsonl'}: skipped line 4, cut short (not valid JSON)"]
+    for text, said in [('{"step": 1}\nnot json\n{"step": 2}\n', "line 2 is not valid JSON"),
+                       ('{"step": 1}\n{"step": "2"}\n', "line 2 is not a metrics object with an integer 'step'"),
+                       ('{"step": true}\n', "line 1 is not a metrics object with an integer 'step'")]:
+        _metrics_file(run, text)
+        with pytest.raises(runs.RunFolderError, match=f"{run / 'metrics.jsonl'} {said}"):
+            runs.read_metrics(run)
+    with pytest.raises(runs.RunFolderError, match=f"no metrics.jsonl in {tmp_path / 'none'}"):
+        runs.read_metrics(tmp_path / "none")
+
+
+def test_resume_truncation_drops_later_rows_and_a_cut_short_line_and_refuses_damage(tmp_path):
+    run = _metrics_file(tmp_path / "r", "".join(json.dumps({"step": s, "x": s / 2}) + "\n" for s in range(4))
+                        + '{"step": 4, "x"')
+    runs.truncate_metrics(run, 2)
+    assert (run / "metrics.jsonl").read_text() == "".join(json.dumps({"step": s, "x": s / 2}) + "\n" for s in range(3))
+    _metrics_file(run, '{"step": 0}\ngarbage\n{"step": 1}\n')
+    with pytest.raises(runs.RunFolderError, match="line 2 is not valid JSON"):
+        runs.truncate_metrics(run, 1)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\ngarbage\n{"step": 1}\n'  # left as found
+
+
+def test_summary_shares_the_reader_rule(tmp_path, capsys):
+    from nearpolicy.cli import main
+
+    run = _metrics_file(tmp_path / "r", '{"step": 0, "eval/accuracy": 0.5}\n{"step": 1, "reward/mean": 0.25}\n{"st')
+    assert main(["summary", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "1 training steps" in captured.out and "| 0 | 0.500 |" in captured.out
+    assert f"warning: {run / 'metrics.jsonl'}: skipped line 3, cut short" in captured.err
+    _metrics_file(run, '{"step": 0}\nnot json\n{"step": 1}\n')
+    assert main(["summary", str(run)]) == 2
+    assert f"error: {run / 'metrics.jsonl'} line 2 is not valid JSON" in capsys.readouterr().err
+
+
+def test_a_resume_that_changes_the_engine_precision_says_so():
+    said = []
+    runs.note_engine_precision({"engine_precision": "q8_0"}, "f16", said.append)
+    runs.note_engine_precision({"engine_precision": "f16"}, "f16", said.append)
+    runs.note_engine_precision({}, "f16", said.append)  # a checkpoint from before the record
+    assert said == ["engine.precision changes on resume: q8_0 -> f16 (the weights are exported at f16 from now on; "
+                    "expect a different engine/trainer mismatch)"]
+
+
+def test_resume_is_refused_before_loading_when_metrics_are_damaged(tmp_path):
+    run = _metrics_file(tmp_path / "r", '{"step": 0}\n{"step": 1, "x": nul}\n{"step": 2}\n')
+    with pytest.raises(runs.RunFolderError, match="line 2 is not valid JSON"):
+        runs.check_resume(run, Config(), {"kind": "reasoning_gym"})
+    _metrics_file(run, '{"step": 0}\n{"step": 1, "x": 0.5}\n{"step": 2, "x"')  # a kill's cut-short line: resumable
+    runs.check_resume(run, Config(), {"kind": "reasoning_gym"})

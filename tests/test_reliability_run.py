@@ -273,6 +273,7 @@ def test_engine_sigsegv_keeps_the_trainer_and_its_checkpoint_and_resume_continue
     rc, err = _cli(tiny_gguf_factory("f32"), tmp_path, capsys, "engine.precision=f16", resume=True)
     assert rc == 0, err
     assert f"resumed from {tmp_path}/c/checkpoints/step_000001 at step 1" in err
+    assert "engine.precision changes on resume: q8_0 -> f16" in err  # the checkpoint's engine_precision, read
     rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
 

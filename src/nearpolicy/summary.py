@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
+
+from nearpolicy.runs import read_json_object, read_metrics
 
 MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/chi2", "mismatch/ess", "mismatch/max_abs_logprob_diff",
                  "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2",
                  "correction/frac_high"]
 TIME_KEYS = ["time/rollout", "time/score", "time/recompute", "time/update", "time/sync", "time/eval", "time/step",
              "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"]
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a kill
-    return rows
 
 
 def _stats(rows: list[dict], key: str) -> tuple[float, float, float, float] | None:
@@ -38,21 +26,17 @@ def effective_correction(plan: dict) -> str | None:
     return plan.get("correction_effective") or plan.get("correction")
 
 
-def _plan(run_dir: Path) -> dict:
-    try:
-        plan = json.loads((Path(run_dir) / "plan.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return plan if isinstance(plan, dict) else {}
-
-
-def summarize(run_dir: Path) -> str:
+def summarize(run_dir: Path, warn=None) -> str:
     """Markdown: the effective correction (from plan.json), eval accuracy per eval step, min / median / mean / max
-    of the main metrics and the training time. Raises FileNotFoundError without metrics.jsonl."""
-    rows = read_metrics(run_dir)
+    of the main metrics and the training time. metrics.jsonl is read by runs.read_metrics; `warn(message)` gets
+    its warnings (a cut-short last line). Raises runs.RunFolderError for a missing or damaged file."""
+    metrics = read_metrics(run_dir)
+    for warning in metrics.warnings:
+        (warn or print)(warning)
+    rows = metrics.rows
     steps = [r for r in rows if "reward/mean" in r]
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
-    correction = effective_correction(_plan(run_dir))
+    correction = effective_correction(read_json_object(Path(run_dir) / "plan.json"))
     out = [f"### Run `{Path(run_dir).name}`: {len(steps)} training steps", "",
            f"Correction: {correction or 'not recorded (no plan.json)'}", "",
            "| step | eval accuracy (greedy, held-out) |", "|---|---|"]

@@ -4,7 +4,6 @@ so every difference between rollout_logprobs and old_logprobs is numerical misma
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
-from nearpolicy.runs import MetricsSink, list_checkpoints, load_checkpoint, save_checkpoint, write_json
+from nearpolicy.runs import (MetricsSink, RunExistsError, check_resume, list_checkpoints, note_engine_precision,
+                             resume_checkpoint, save_checkpoint, write_json)
 from nearpolicy.setup import Session, build_session
 from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
@@ -31,10 +31,6 @@ from nearpolicy.tasks.identity import data_changes, data_identity
 from nearpolicy.tasks.scoring import BoundedScorer, ScoreResult
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
-
-
-class RunExistsError(RuntimeError):
-    """The run folder already holds a run and --resume was not given."""
 
 
 @dataclass
@@ -62,9 +58,8 @@ class Trainer:
         if existing and not resume:
             raise RunExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or set run.name")
         self.data = data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
-        if resume:  # refuse a changed config or changed data before the minutes of loading
-            _check_same_config(self.run_dir / "config.json", cfg)
-            _check_same_data(self.run_dir / "plan.json", self.data)
+        if resume:  # refuse a changed config, changed data or damaged metrics before the minutes of loading
+            check_resume(self.run_dir, cfg, self.data)
         created = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.run.seed)
@@ -332,62 +327,19 @@ class Trainer:
         return self.checkpoint()
 
     def _resume(self) -> None:
-        """Continue from the newest loadable checkpoint (a damaged one is reported and skipped); with none,
-        start over, keeping the earlier metrics as metrics.before-resume.jsonl."""
-        checkpoints = list_checkpoints(self.run_dir)
-        initial = {k: v.clone() for k, v in self.s.model.state_dict().items()} if checkpoints else {}
-        for path in reversed(checkpoints):
-            try:
-                saved = load_checkpoint(path, self.s.model, self.s.optimizer)
-                restore_proximal(self.ewma, path, self.s.model, self.log)
-            except Exception as err:  # noqa: BLE001 - any damage (safetensors header, json, shapes) skips it
-                self.log(f"warning: checkpoint {path} is not loadable ({type(err).__name__}: {err}); trying an older one")
-                self.s.model.load_state_dict(initial)  # a partial load must not leak into the next attempt
-                continue
-            self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
-                                    scorer_errors=saved.get("scorer_errors", 0), scheduler=saved.get("scheduler"))
-            self.guard.restore(saved)
-            self.saved = path
-            _truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
-            self.s.sync_engine(self.state.version)
-            self.log(f"resumed from {path} at step {self.state.step}")
+        """Continue from the newest loadable checkpoint (runs.resume_checkpoint); with none, start over."""
+        found = resume_checkpoint(self.run_dir, self.s.model, self.s.optimizer, lambda path, extra: restore_proximal(
+            self.ewma, extra, self.s.model, self.log, where=path), self.log)
+        if found is None:
             return
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            metrics.replace(self.run_dir / "metrics.before-resume.jsonl")
-        self.log(f"no loadable checkpoint in {self.run_dir}: starting from step 0")
-
-
-# may change on --resume (placement, not training, settings); everything else must match
-# engine.precision and engine.extra_buffers too: the way out after an engine crash (docs/reliability.md)
-RESUMABLE_KEYS = {"run.steps", "logging", "rollout.ray_address", "rollout.trainer_resources", "engine.precision",
-                  "engine.extra_buffers"}
-
-
-def _check_same_config(saved_path: Path, cfg: Config) -> None:
-    """Refuse a --resume whose config differs from the run's (except run.steps and logging.*). A key the saved
-    config lacks (added to the schema since) counts as its default."""
-    if not saved_path.exists():
-        return
-    saved = json.loads(saved_path.read_text())
-    now, default = cfg.model_dump(mode="json"), Config().model_dump(mode="json")
-    changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
-               if saved.get(section, {}).get(key, default[section][key]) != value
-               and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
-    if changed:
-        raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
-                             "(only run.steps, logging.*, rollout.ray_address, rollout.trainer_resources, engine.precision and "
-                             "engine.extra_buffers may change; use a new run.name)")
-
-
-def _check_same_data(plan_path: Path, now: dict) -> None:
-    """Refuse a --resume whose data differs from the identity the run recorded in plan.json (runs from before
-    the record are not checked)."""
-    saved = json.loads(plan_path.read_text()).get("data") if plan_path.exists() else None
-    change = data_changes(saved, now) if saved is not None else None
-    if change:
-        raise RunExistsError(f"--resume on changed data: {change}; the run's order and held-out split come from "
-                             "the data it started with (restore it, or use a new run.name)")
+        path, saved = found
+        self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
+                                scorer_errors=saved.get("scorer_errors", 0), scheduler=saved.get("scheduler"))
+        self.guard.restore(saved)
+        self.saved = path
+        note_engine_precision(saved, self.cfg.engine.precision, self.log)
+        self.s.sync_engine(self.state.version)
+        self.log(f"resumed from {path} at step {self.state.step}")
 
 
 def _reward_stats(rewards: torch.Tensor) -> dict[str, float]:
@@ -395,20 +347,3 @@ def _reward_stats(rewards: torch.Tensor) -> dict[str, float]:
     scorable = rewards[torch.isfinite(rewards)]
     mean = float(scorable.mean()) if scorable.numel() else float("nan")
     return {"reward/mean": mean, "reward/std": float(scorable.std()) if scorable.numel() > 1 else 0.0}
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint (they will be produced again) and unreadable lines (a
-    write cut short by a kill)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)

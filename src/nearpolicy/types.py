@@ -20,7 +20,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k
-    max_new_tokens: int = 128
+    max_new_tokens: int = 64  # the default of config sampling.max_new_tokens
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):

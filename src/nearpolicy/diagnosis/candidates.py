@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from nearpolicy.engines.gguf_export import PRECISIONS
 from nearpolicy.engines.hf import DTYPES
+from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
 from nearpolicy.engines.precision_map import describe, validate_selector
 from nearpolicy.types import SamplingParams
 
@@ -80,7 +81,7 @@ def parse_candidate(text: str) -> RolloutCandidate:
             raise ValueError(f"candidate {text!r}: option {option!r} is not key=value")
         if key in _SAMPLING_KEYS:
             sampling[key] = _number(text, key, value, _SAMPLING_KEYS[key])
-        elif key == "kv_cache" and value in ("f16", "f32") and engine == "llamacpp":
+        elif key == "kv_cache" and value in KV_CACHE_TYPES and engine == "llamacpp":
             fields["kv_cache"] = value
         elif key == "flash_attention" and value in ("true", "false") and engine == "llamacpp":
             fields["flash_attention"] = value == "true"

@@ -12,7 +12,7 @@ import torch
 from nearpolicy.ops.logprobs import transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # config engine.hf_dtype -> torch dtype
 
 
 class HFEngine:

@@ -22,7 +22,7 @@ from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
 _LOG_CALLBACK = None  # keeps the log callback alive
 _LOG_FD: int | None = None  # where llama.cpp's log goes (None: dropped)
-_KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids of the KV cache
+KV_CACHE_TYPES = {"f32": 0, "f16": 1}  # KV-cache dtype -> ggml_type id (config engine.kv_cache)
 _LOG_MIN_LEVEL = 2  # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line
 _GGML_LOG_CONT = 5
 
@@ -109,8 +109,8 @@ class LlamaCppEngine:
         self.max_parallel = max_parallel_sequences
         self.threads = threads
         self.unified_kv = unified_kv
-        if kv_cache not in _KV_TYPES:
-            raise ValueError(f"kv_cache must be one of {sorted(_KV_TYPES)}, got {kv_cache!r}")
+        if kv_cache not in KV_CACHE_TYPES:
+            raise ValueError(f"kv_cache must be one of {sorted(KV_CACHE_TYPES)}, got {kv_cache!r}")
         self.kv_cache = kv_cache
         self.flash_attention = flash_attention
         self.extra_buffers = extra_buffers
@@ -136,7 +136,7 @@ class LlamaCppEngine:
         cparams.n_seq_max = self.max_parallel
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.kv_unified = self.unified_kv
-        cparams.type_k = cparams.type_v = _KV_TYPES[self.kv_cache]
+        cparams.type_k = cparams.type_v = KV_CACHE_TYPES[self.kv_cache]
         # llama.cpp's CPU flash attention rounds Q to f16 (about 7e-3 nats of extra mismatch at f32): a choice
         cparams.flash_attn_type = 1 if self.flash_attention else 0
         ctx = lib.llama_init_from_model(model, cparams)

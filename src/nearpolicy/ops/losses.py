@@ -39,8 +39,8 @@ class PolicyLossParams:
     of GSPO's token log-ratio (verl: 10); kl_coef, kl_estimator: KL-to-reference penalty (a name of
     ops/kl.KL_ESTIMATORS; default k3_is, whose expected gradient is grad KL(pi || pi_ref) on- and off-policy)."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: float = 0.2  # these defaults are config algorithm.*'s (one source)
+    clip_high: float = 0.28
     dual_clip: float | None = 3.0
     gspo_log_ratio_max: float = 10.0
     kl_coef: float = 0.0
@@ -239,7 +239,8 @@ def policy_loss(
 
 
 def ppo_clip_loss(
-    inp: PolicyLossInput, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = 3.0
+    inp: PolicyLossInput, clip_low: float = PolicyLossParams.clip_low, clip_high: float = PolicyLossParams.clip_high,
+    dual_clip: float | None = PolicyLossParams.dual_clip
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip with optional dual clip, token-mean aggregated (kept for the trainer; = policy_loss("ppo_clip")).
 

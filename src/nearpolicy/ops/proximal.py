@@ -80,6 +80,10 @@ def normalized_ess(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, w.sum() ** 2 / (n * (w * w).sum()).clamp_min(1e-300), torch.ones((), dtype=w.dtype))
 
 
+CENTERINGS = ("none", "log_mean", "weight_mean")
+"""The kinds of `discrepancy_center` (config correction.center)."""
+
+
 def discrepancy_center(log_rho: torch.Tensor, defined: torch.Tensor, kind: str = "log_mean") -> torch.Tensor:
     """Scalar centre c of the discrepancy log-ratio over the defined tokens of the WHOLE batch (compute once,
     before micro-batching): log_mean = mean(log rho) (= -k1 KL(mu || pi_old)); weight_mean = log mean(rho)
@@ -91,7 +95,7 @@ def discrepancy_center(log_rho: torch.Tensor, defined: torch.Tensor, kind: str =
         return masked_mean(lr, defined)
     if kind == "weight_mean":
         return torch.log(masked_mean(lr.exp(), defined).clamp_min(1e-8))
-    raise ValueError(f"unknown discrepancy centring {kind!r}; valid: none, log_mean, weight_mean")
+    raise ValueError(f"unknown discrepancy centring {kind!r}; valid: {', '.join(CENTERINGS)}")
 
 
 def dlc_weights(
@@ -157,6 +161,10 @@ def score_centering_term(
 
 
 # -- AIS mixing coefficient (reconstruction; docs/math.md sec. 14) -------------------------------------------
+ADAPTIVE_MIXES = ("none", "ais")
+"""config correction.adaptive_mix: none, or `ais_lambda` mixing of uncorrected and corrected gradients."""
+
+
 def ais_lambda(
     log_rho: torch.Tensor, defined: torch.Tensor, severity_scale: float = 1e-3
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,0 +1,129 @@
+"""The config's checks that are more than a range: names a registry must know, rules across fields and sections,
+`--set` parsing and the error message naming the key. config.py declares the schema and calls these; the choice
+lists themselves live beside the code that uses them (ops/ registries and tuples, engines/)."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, ValidationError
+
+from nearpolicy.engines.base import LLAMA_MAX_SEQ
+from nearpolicy.ops.losses import required_aggregation
+from nearpolicy.registry import Registry
+
+
+class ConfigError(ValueError):
+    """A config file or override is malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RegisteredName:
+    """Field metadata: the value must be a name of `registry` (or one of `aliases`). Validates the field (through
+    pydantic's AfterValidator) and tells `nearpolicy config` the choices; both read the registry itself."""
+
+    registry: Registry
+    aliases: tuple[str, ...] = ()
+
+    def names(self) -> list[str]:
+        return [*self.aliases, *self.registry.names()]
+
+    def __call__(self, value: str) -> str:
+        if value not in self.names():
+            raise ValueError(f"unknown name {value!r}; valid: {', '.join(self.names())}")
+        return value
+
+
+def registered(registry: Registry, aliases: tuple[str, ...] = ()) -> Any:
+    """The field type `str` restricted to the names of `registry` (plus `aliases`)."""
+    name = RegisteredName(registry, aliases)
+    return Annotated[str, AfterValidator(name), name]
+
+
+def betas_in_range(value: tuple[float, float]) -> tuple[float, float]:
+    if not all(0 <= b < 1 for b in value):
+        raise ValueError(f"each Adam beta must be in [0, 1), got {value}")
+    return value
+
+
+def aggregation_fits_loss(data: Any) -> Any:
+    """Before validation of [algorithm]: a sequence-level loss (gspo) takes its one aggregation when none is set,
+    and refuses any other."""
+    required = required_aggregation(data["loss"]) if isinstance(data, dict) and isinstance(data.get("loss"), str) else None
+    if required is not None and data.get("aggregation", required) != required:
+        raise ValueError(f"algorithm.aggregation = {data['aggregation']!r} weighs each sequence by its length, but "
+                         f"loss {data['loss']!r} is sequence-level: set {required!r} or leave it unset")
+    return data if required is None else {**data, "aggregation": required}
+
+
+def check_batch_divides(a) -> None:
+    samples = a.group_size * a.prompts_per_step
+    if samples % a.minibatches:
+        raise ValueError(f"algorithm.minibatches ({a.minibatches}) must divide group_size * prompts_per_step ({samples})")
+
+
+def check_correction(c) -> None:
+    """[correction]: the spec builds, and DLC centring and a non-"old" proximal have the decoupled mode they need."""
+    spec = c.spec()
+    if c.center != "none" and spec.mode != "decoupled":
+        raise ValueError("correction.center (DLC) needs mode = 'decoupled': in bypass mode the engine's log-probs "
+                         "are also the PPO proximal, and shifting them would move the clip window")
+    if c.proximal != "old" and spec.mode != "decoupled":
+        raise ValueError(f"correction.proximal = {c.proximal!r} needs mode = 'decoupled': in bypass mode the "
+                         "engine's log-probs are the proximal")
+
+
+def check_rollout(r) -> None:
+    if r.engines == 0 and (r.staleness or r.partial or r.overprovision or r.backend == "ray"):
+        raise ValueError("staleness, partial, overprovision and backend = 'ray' need rollout.engines >= 1")
+    if r.partial and r.staleness < 1:
+        raise ValueError("partial rollouts keep tokens across a weight update, so they need rollout.staleness >= 1")
+    for name, amount in r.trainer_resources.items():
+        if name in ("CPU", "GPU", "memory") or not amount >= 0:
+            raise ValueError(f"rollout.trainer_resources: {name} = {amount} is not a custom Ray resource amount "
+                             ">= 0 (CPU, GPU and memory are not accepted here)")
+
+
+def check_sections_agree(cfg) -> None:
+    """Rules across sections: replicas run llama.cpp; llama.cpp's sequence limit; a group fits one batch."""
+    e, a = cfg.engine, cfg.algorithm
+    if cfg.rollout.engines and e.kind != "llamacpp":
+        raise ValueError("rollout.engines >= 1 runs llama.cpp replicas: set engine.kind = 'llamacpp'")
+    if e.kind == "llamacpp" and e.max_parallel_sequences > LLAMA_MAX_SEQ:
+        raise ValueError(f"engine.max_parallel_sequences = {e.max_parallel_sequences} exceeds llama.cpp's limit of "
+                         f"{LLAMA_MAX_SEQ} sequences per context (LLAMA_MAX_SEQ); use at most {LLAMA_MAX_SEQ}")
+    if a.group_size > e.max_parallel_sequences:
+        raise ValueError(f"algorithm.group_size ({a.group_size}) exceeds engine.max_parallel_sequences "
+                         f"({e.max_parallel_sequences}): a group is decoded in one batch")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """"a.b=value" -> (["a", "b"], value); the value is read as a TOML literal, else kept as a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"--set has an empty key part in {key!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def describe_errors(err: ValidationError, path) -> str:
+    """One message for a failed validation, each problem naming its key (`path`: the config file, or None)."""
+    where = f"{path}: " if path else ""
+    lines = []
+    for problem in err.errors():
+        key = ".".join(str(p) for p in problem["loc"])
+        if problem["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}'")
+        elif not key:  # a rule across sections: its message names the keys
+            lines.append(problem["msg"].removeprefix("Value error, "))
+        else:
+            lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})")
+    return where + "invalid config: " + "; ".join(lines)
