@@ -30,7 +30,8 @@ from nearpolicy.tasks import Problem
 from nearpolicy.tasks.identity import data_changes, data_identity
 from nearpolicy.tasks.scoring import BoundedScorer, ScoreResult
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
-from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
+from nearpolicy.policy import recompute_logprobs
+from nearpolicy.update import UpdateSettings, policy_update
 
 
 class RunExistsError(RuntimeError):
@@ -90,7 +91,7 @@ class Trainer:
         self.inline_version = self.state.version  # the weights the in-process engine (evaluation) holds
         self.async_rollouts = None
         if cfg.rollout.engines:
-            from nearpolicy.async_rollouts import AsyncRollouts
+            from nearpolicy.rollouts.replicas import AsyncRollouts
 
             self.async_rollouts = AsyncRollouts(cfg, self.s, self.sampling, self.state.version, self.state.data_position,
                                                 self.state.scheduler, log)
@@ -175,7 +176,7 @@ class Trainer:
         return self.rollout(problems), by_group, {}
 
     def _resync_check(self, batch, old_logprobs: torch.Tensor, defined: torch.Tensor) -> dict[str, float]:
-        from nearpolicy.async_rollouts import lag_ess
+        from nearpolicy.rollouts.replicas import lag_ess
 
         ess = lag_ess(old_logprobs, batch.rollout_logprobs, defined, batch.versions, self.state.version)
         self.resync_pending = ess < self.cfg.rollout.resync_ess
@@ -210,7 +211,7 @@ class Trainer:
         t0 = time.perf_counter()
         prox = None if self.ewma is None else self.ewma.logprobs(batch, self.sampling, cfg.algorithm.micro_batch_size)
         update = policy_update(self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling,
-                               self.settings, sample_keep=adv.keep, ref_model=self.s.ref_model, proximal_logprobs=prox,
+                               self.settings, sample_keep=adv.keep, ref_model=self.s.ref_model, ewma_logprobs=prox,
                                version=self.state.version,
                                on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
         old_logprobs = update.old_logprobs

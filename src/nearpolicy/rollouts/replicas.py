@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from nearpolicy.config import Config
-from nearpolicy.engine_pool import LocalPool, RayPool
 from nearpolicy.ops.diagnostics import mismatch_metrics
-from nearpolicy.rollout_service import RolloutService, groups_to_rollouts
-from nearpolicy.scheduler import RolloutScheduler, staleness_metrics
+from nearpolicy.rollouts.pool import LocalPool, RayPool
+from nearpolicy.rollouts.scheduler import RolloutScheduler, staleness_metrics
+from nearpolicy.rollouts.service import RolloutService, groups_to_rollouts
 from nearpolicy.setup import Session, engine_spec, export_engine_gguf
 from nearpolicy.tasks import Problem
 from nearpolicy.types import Rollout, SamplingParams
