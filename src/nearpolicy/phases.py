@@ -82,3 +82,9 @@ def eval_metrics(results: list[ScoreResult], completions: list[list[int]]) -> di
     return {"eval/accuracy": float(scorable.mean()) if scorable.size else float("nan"),
             "eval/unscorable": float(scores.size - scorable.size),
             "eval/response_length": float(np.mean([len(c) for c in completions]))}
+
+
+def progress_postfix(metrics: dict[str, float]) -> dict[str, str]:
+    """The progress bar's figures of a step: reward, k3 mismatch and eval accuracy (nan when not measured)."""
+    return dict(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
+                acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")

@@ -22,7 +22,8 @@ from nearpolicy.guards import BadStepGuard, check_finite_weights, check_task_pro
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.phases import distill_advantages, eval_metrics, mismatch_diagnostics, score_texts, step_metrics
+from nearpolicy.phases import (distill_advantages, eval_metrics, mismatch_diagnostics, progress_postfix, score_texts,
+                               step_metrics)
 from nearpolicy.policy import recompute_logprobs
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
@@ -82,6 +83,18 @@ def open_trainer(cfg: Config, *, resume: bool = False, log=print,
     return Trainer(cfg, session, rollouts, resume=resume, log=log, data=data)
 
 
+def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], sampling):
+    """(rewards [N] float32, NaN = unscorable; the advantage result of algorithm.advantage; the token batch; the
+    advantages, [N], or [N, T] with on-policy distillation; the distillation metrics)."""
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    adv = compute_advantages(cfg.algorithm.advantage, rewards, torch.tensor([r.group_id for r in rollouts]))
+    batch = collate(rollouts, session.pad_id, session.vocab_size)
+    if session.teacher is None:
+        return rewards, adv, batch, adv.advantages.float(), {}
+    advantages, metrics = distill_advantages(cfg, session.teacher, batch, adv.advantages.float(), sampling)
+    return rewards, adv, batch, advantages, metrics
+
+
 class _Timer(dict):
     """time/<phase> seconds of one step: `with timer("rollout"): ...`."""
 
@@ -95,6 +108,9 @@ class _Timer(dict):
 
 
 class Trainer:
+    """One run over a Session and a RolloutSource (see open_trainer): `fit` runs the steps, evaluates, logs and
+    checkpoints; `train_step` is one step's phases."""
+
     def __init__(self, cfg: Config, session: Session, rollouts: RolloutSource, *, resume: bool = False, log=print,
                  data: dict | None = None):
         self.cfg, self.s, self.rollouts, self.log = cfg, session, rollouts, log
@@ -128,18 +144,6 @@ class Trainer:
         self.state.scorer_errors += unscorable
         return {"reward/unscorable": float(unscorable),
                 "reward/timeouts": float(sum(result.status == "timeout" for result in results))}
-
-    def advantages(self, rollouts: list[Rollout]):
-        """(rewards [N], the advantage result, the token batch, advantages [N] or [N, T] with distillation, the
-        distillation metrics)."""
-        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)  # NaN = unscorable
-        groups = torch.tensor([r.group_id for r in rollouts])
-        adv = compute_advantages(self.cfg.algorithm.advantage, rewards, groups)
-        batch = collate(rollouts, self.s.pad_id, self.s.vocab_size)
-        if self.s.teacher is None:
-            return rewards, adv, batch, adv.advantages.float(), {}
-        advantages, metrics = distill_advantages(self.cfg, self.s.teacher, batch, adv.advantages.float(), self.sampling)
-        return rewards, adv, batch, advantages, metrics
 
     def update(self, batch, advantages: torch.Tensor, keep: torch.Tensor | None, timer: _Timer) -> UpdateResult:
         """Recompute old_logprobs (unless fused into the update), then `minibatches` optimizer steps."""
@@ -177,7 +181,8 @@ class Trainer:
             got = self.rollouts.collect(self.state.step, self.state.version, self.state.data_position)
         with timer("score"):
             score_metrics = self.score(got.rollouts, got.problems)
-        rewards, adv, batch, advantages, distill_metrics = self.advantages(got.rollouts)
+        rewards, adv, batch, advantages, distill_metrics = step_advantages(self.cfg, self.s, got.rollouts,
+                                                                           self.sampling)
         update = self.update(batch, advantages, adv.keep, timer)
         with timer("diagnostics"):
             _, defined = mismatch_log_ratio(update.old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
@@ -237,8 +242,7 @@ class Trainer:
             if step % cfg.logging.checkpoint_every == 0 or step == cfg.run.steps:
                 self.checkpoint()
             self.guard.check(step)
-            self.postfix = dict(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
-                                acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
+            self.postfix = progress_postfix(metrics)
             bar.update(1)
             bar.set_postfix(self.postfix)
         self.metrics.close()
