@@ -18,13 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from nearpolicy.config import EngineConfig, TaskConfig
+from nearpolicy.config import TaskConfig
 from nearpolicy.doctor import SIMD_FLAGS, cpu_facts
 from nearpolicy.engines.base import EngineError
 from nearpolicy.engines.llamacpp import EngineSpec, system_info
 from nearpolicy.engines.process import ProcessEngine
 from nearpolicy.models import default_model_gguf, load_policy
-from nearpolicy.setup import chat_prompt_ids, export_engine_gguf
+from nearpolicy.engines.gguf_export import export_model_gguf
+from nearpolicy.models import chat_prompt_ids
 from nearpolicy.tasks import make_task
 from nearpolicy.types import GenerationRequest, SamplingParams
 
@@ -61,7 +62,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precisions:
-            path = export_engine_gguf(model, Path(tmp), EngineConfig(precision=precision), default_model_gguf(), tokenizer)
+            path = export_model_gguf(model, Path(tmp), precision, (), default_model_gguf(), tokenizer)
             for extra in (False, True):
                 name = f"llamacpp:{precision} extra_buffers={'on' if extra else 'off'}"
                 spec = EngineSpec(str(path), 0, 512, args.prompts * args.group, args.threads, "f16", False, extra)

@@ -22,8 +22,8 @@ from nearpolicy.config import TaskConfig
 from nearpolicy.engines.hf import HFEngine
 from nearpolicy.engines.llamacpp import LlamaCppEngine
 from nearpolicy.models import load_policy
-from nearpolicy.config import EngineConfig
-from nearpolicy.setup import chat_prompt_ids, export_engine_gguf, stop_token_ids
+from nearpolicy.engines.gguf_export import export_model_gguf
+from nearpolicy.models import chat_prompt_ids, stop_token_ids
 from nearpolicy.tasks import make_task
 from nearpolicy.types import GenerationRequest, SamplingParams
 
@@ -65,7 +65,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in ("f16", "q8_0"):
-            path = export_engine_gguf(model, Path(tmp), EngineConfig(precision=precision), default_model_gguf(), tokenizer)
+            path = export_model_gguf(model, Path(tmp), precision, (), default_model_gguf(), tokenizer)
             engine = LlamaCppEngine(path, max_context=512, max_parallel_sequences=args.prompts * args.group,
                                     threads=args.threads)
             results[f"llamacpp:{precision}"] = measure(engine, requests, sampling, args.repeats)

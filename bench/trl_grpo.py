@@ -42,12 +42,12 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from nearpolicy.config import load_config
-    from nearpolicy.tasks import make_task, safe_score
+    from nearpolicy.setup import build_task
+    from nearpolicy.tasks import safe_score
 
     cfg = load_config(Path(args.config), args.set)
     t, a = cfg.task, cfg.algorithm
-    task = make_task(t.kind, name=t.name, options=t.resolved_options(), path=t.path, train_size=t.train_size,
-                     eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines)
+    task = build_task(cfg)
     n_problems = args.steps * args.prompts
     rows = [{"prompt": [{"role": "system", "content": t.system_prompt},
                         {"role": "user", "content": task.train_problem(i).question}], "index": i}

@@ -26,7 +26,7 @@ import torch
 
 def _task_prompts(tokenizer, prompts: int) -> list[list[int]]:
     from nearpolicy.config import TaskConfig
-    from nearpolicy.setup import chat_prompt_ids
+    from nearpolicy.models import chat_prompt_ids
     from nearpolicy.tasks import make_task
 
     tc = TaskConfig()
@@ -51,16 +51,15 @@ def gemm(args) -> dict:
 
 class _NearpolicyRollout:
     def __init__(self, config: str, model, tokenizer, args, tmp: Path):
-        from nearpolicy.config import EngineConfig
-        from nearpolicy.models import default_model_gguf
-        from nearpolicy.setup import export_engine_gguf, stop_token_ids
+        from nearpolicy.engines.gguf_export import export_model_gguf
+        from nearpolicy.models import default_model_gguf, stop_token_ids
 
         kind, precision = config.split(":")
         batch = args.prompts * args.group
         if kind == "llamacpp":
             from nearpolicy.engines.llamacpp import LlamaCppEngine
 
-            path = export_engine_gguf(model, tmp, EngineConfig(precision=precision), default_model_gguf(), tokenizer)
+            path = export_model_gguf(model, tmp, precision, (), default_model_gguf(), tokenizer)
             self.engine = LlamaCppEngine(path, max_context=512, max_parallel_sequences=batch, threads=args.threads)
         else:
             from nearpolicy.engines.hf import HFEngine
@@ -83,7 +82,7 @@ class _Generate:
         from transformers import GenerationConfig
 
         from nearpolicy.models import default_model_gguf
-        from nearpolicy.setup import stop_token_ids
+        from nearpolicy.models import stop_token_ids
 
         self.model = model.eval()
         with tempfile.TemporaryDirectory() as tmp:

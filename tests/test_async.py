@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from nearpolicy.engines.worker import EngineSpec, EngineWorker, SegmentJob
-from nearpolicy.scheduler import RolloutScheduler
+from nearpolicy.engines.llamacpp import EngineSpec
+from nearpolicy.rollouts.scheduler import RolloutScheduler
+from nearpolicy.rollouts.types import SegmentJob
+from nearpolicy.rollouts.worker import EngineWorker
 from nearpolicy.types import SamplingParams
 
 SAMPLING = SamplingParams(1.0, 1.0, 0, 24)
@@ -87,8 +89,8 @@ def test_interrupted_samples_continue_with_exact_per_token_logprobs_and_versions
 
 
 def test_replica_killed_mid_rollout_is_restarted_and_nothing_is_lost_or_repeated(two_versions):
-    from nearpolicy.engine_pool import LocalPool
-    from nearpolicy.rollout_service import RolloutService
+    from nearpolicy.rollouts.pool import LocalPool
+    from nearpolicy.rollouts.service import RolloutService
 
     v0, v1 = two_versions
     sched = RolloutScheduler(2, 2, 0, SAMPLING.max_new_tokens)
@@ -212,9 +214,9 @@ def test_ray_driver_forwards_sigterm_the_trainer_actor_checkpoints_and_the_run_r
 
 
 def test_replica_that_raises_stops_the_run_with_its_traceback(two_versions):
-    from nearpolicy.engine_pool import LocalPool
+    from nearpolicy.rollouts.pool import LocalPool
     from nearpolicy.engines.base import EngineError
-    from nearpolicy.rollout_service import RolloutService
+    from nearpolicy.rollouts.service import RolloutService
 
     v0, _ = two_versions
     too_long = {0: tuple(range(100, 400))}  # 300 prompt tokens + 24 new > the replica's 256-token context
@@ -239,8 +241,8 @@ def test_replicas_exit_when_the_trainer_is_killed(two_versions):
     """SIGKILL of the trainer process: its engine replicas notice and exit instead of lingering."""
     import time
 
-    script = ("import sys, time\nfrom nearpolicy.engine_pool import LocalPool\n"
-              "from nearpolicy.engines.worker import EngineSpec\n"
+    script = ("import sys, time\nfrom nearpolicy.rollouts.pool import LocalPool\n"
+              "from nearpolicy.engines.llamacpp import EngineSpec\n"
               "pool = LocalPool(EngineSpec(sys.argv[1], 0, 256, 16, 1, 'f32', False), 2)\n"
               "ready = 0\nwhile ready < 2:\n    ready += sum(e[1] == 'ready' for e in pool.poll(1.0))\n"
               "print(*pool.pids(), flush=True)\ntime.sleep(600)\n")

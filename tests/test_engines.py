@@ -91,7 +91,7 @@ def test_every_engine_stops_on_llamacpps_complete_end_of_generation_set(tiny_pol
     and for one whose metadata was written from the HF tokenizer (an HF-folder model)."""
     from nearpolicy.engines.gguf_export import export_gguf
     from nearpolicy.engines.hf import HFEngine
-    from nearpolicy.setup import stop_token_ids
+    from nearpolicy.models import stop_token_ids
 
     model, tokenizer = tiny_policy
     from_tokenizer = tmp_path / "from-tokenizer.gguf"
@@ -106,7 +106,7 @@ def test_every_engine_stops_on_llamacpps_complete_end_of_generation_set(tiny_pol
 
 
 def test_chat_template_applied_once_with_at_most_one_bos(smollm2_tokenizer):
-    from nearpolicy.setup import chat_prompt_ids
+    from nearpolicy.models import chat_prompt_ids
 
     ids = chat_prompt_ids(smollm2_tokenizer, "Be brief.", "What is 2 + 3?")
     start = smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")

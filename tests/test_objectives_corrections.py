@@ -8,9 +8,10 @@ import torch
 
 from nearpolicy.ops.correction_presets import CORRECTIONS, correction_spec
 from nearpolicy.ops.corrections import (ACTIONS, LEVELS, CorrectionSpec, RejectionRule, correct, correction_log_ratio,
-                                        mismatch_correction, proximal_logprobs)
+                                        mismatch_correction)
 from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss, required_aggregation
 from nearpolicy.ops.masked import aggregation_denominator
+from nearpolicy.ops.proximal import proximal_logprobs
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
 DEFAULT_DTYPE = torch.float64
@@ -155,7 +156,8 @@ def test_all_ratios_one_every_preset_equals_the_uncorrected_loss(name):
     lp, _, _, mask, has = _case(3)
     old = lp.detach().clone() - 0.0
     spec = correction_spec(name)
-    result, prox = mismatch_correction(spec, lp, old, old.clone(), mask, has)
+    result = mismatch_correction(spec, lp, old, old.clone(), mask, has)
+    prox = proximal_logprobs("old", spec.mode, lp, old, old.clone(), has)
     assert torch.equal(result.weights, torch.ones_like(lp)) and torch.equal(result.keep, mask)
     adv = torch.randn(lp.shape[0], generator=torch.Generator().manual_seed(1))
     for loss_name in ("ppo_clip", "reinforce", "gspo"):
@@ -183,10 +185,10 @@ def test_infinite_bounds_are_a_no_op(level):
 @pytest.mark.parametrize("spec", SPECS[:: 3], ids=lambda s: f"{s.level}-{s.action}")
 def test_nan_inf_at_masked_or_missing_positions_change_nothing(spec):
     lp, old, rollout, mask, has = _case(5)
-    base, _ = mismatch_correction(spec, lp, old, rollout, mask, has)
+    base = mismatch_correction(spec, lp, old, rollout, mask, has)
     bad_roll = rollout.masked_fill(~has, float("nan")).masked_fill(~mask, float("-inf"))
     bad_old = old.masked_fill(~mask, float("inf"))
-    out, _ = mismatch_correction(spec, lp, bad_old, bad_roll, mask, has)
+    out = mismatch_correction(spec, lp, bad_old, bad_roll, mask, has)
     assert torch.equal(out.weights, base.weights) and torch.equal(out.keep, base.keep)
     assert all(torch.isfinite(v) for v in out.metrics.values())
 
@@ -204,9 +206,9 @@ def test_missing_engine_logprob_gets_weight_exactly_one_and_is_never_rejected():
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.level}-{s.action}-{len(s.rejections)}")
 def test_micro_batch_rows_equal_full_batch_rows(spec):
     lp, old, rollout, mask, has = _case(6)
-    full, _ = mismatch_correction(spec, lp, old, rollout, mask, has)
+    full = mismatch_correction(spec, lp, old, rollout, mask, has)
     for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
-        part, _ = mismatch_correction(spec, lp[rows], old[rows], rollout[rows], mask[rows], has[rows])
+        part = mismatch_correction(spec, lp[rows], old[rows], rollout[rows], mask[rows], has[rows])
         assert torch.equal(part.weights, full.weights[rows]) and torch.equal(part.keep, full.keep[rows])
 
 
@@ -217,12 +219,12 @@ def test_decoupled_and_bypass_modes_use_the_right_logprobs():
     byp, _ = correction_log_ratio("bypass", lp, old, rollout, mask, has)
     assert torch.equal(dec, torch.where(d_def, old - rollout, 0.0))
     assert torch.equal(byp, torch.where(d_def, lp.detach() - rollout, 0.0)) and not byp.requires_grad
-    assert torch.equal(proximal_logprobs("decoupled", old, rollout, has), old)
-    assert torch.equal(proximal_logprobs("bypass", old, rollout, has), torch.where(has, rollout, old))
-    out, prox = mismatch_correction(correction_spec("tis", mode="bypass"), lp, old, rollout, mask, has)
-    assert not out.weights.requires_grad and torch.equal(prox, torch.where(has, rollout, old))
+    assert torch.equal(proximal_logprobs("old", "decoupled", lp, old, rollout, has), old)
+    assert torch.equal(proximal_logprobs("old", "bypass", lp, old, rollout, has), torch.where(has, rollout, old))
+    out = mismatch_correction(correction_spec("tis", mode="bypass"), lp, old, rollout, mask, has)
+    assert not out.weights.requires_grad
     old_g = old.clone().requires_grad_(True)  # invariant 11: pi_old, detached, even if it carries a graph
-    dec_out, _ = mismatch_correction(correction_spec("token_is"), lp, old_g, rollout, mask, has)
+    dec_out = mismatch_correction(correction_spec("token_is"), lp, old_g, rollout, mask, has)
     expected = torch.where(mask & has, torch.exp(old - rollout), 1.0)
     assert not dec_out.weights.requires_grad and torch.allclose(dec_out.weights, expected, rtol=1e-15, atol=0)
     with pytest.raises(ValueError, match="bypass"):
@@ -234,8 +236,8 @@ def test_areal_decoupled_loss_matches_loop_reference():
     lp, old, rollout, mask, has = _case(8)
     has = torch.ones_like(mask)
     adv = torch.randn(lp.shape[0], generator=torch.Generator().manual_seed(2))
-    out, prox = mismatch_correction(correction_spec("token_is"), lp, old, rollout, mask, has)
-    loss, _ = policy_loss("ppo_clip", PolicyLossInput(lp, prox, adv, out.keep, mask.sum(), out.weights),
+    out = mismatch_correction(correction_spec("token_is"), lp, old, rollout, mask, has)
+    loss, _ = policy_loss("ppo_clip", PolicyLossInput(lp, old, adv, out.keep, mask.sum(), out.weights),
                           PolicyLossParams(0.2, 0.2, None))
     total = 0.0
     for i, t in zip(*torch.nonzero(mask, as_tuple=True)):
@@ -249,8 +251,8 @@ def test_mix_interpolates_between_uncorrected_and_corrected_loss():
     adv = torch.randn(lp.shape[0], generator=torch.Generator().manual_seed(3))
 
     def loss(mix):
-        out, prox = mismatch_correction(CorrectionSpec("token", "truncate", 0.0, 2.0, mix=mix), lp, old, rollout, mask, has)
-        return policy_loss("ppo_clip", PolicyLossInput(lp, prox, adv, mask, mask.sum(), out.weights), PolicyLossParams())[0]
+        out = mismatch_correction(CorrectionSpec("token", "truncate", 0.0, 2.0, mix=mix), lp, old, rollout, mask, has)
+        return policy_loss("ppo_clip", PolicyLossInput(lp, old, adv, mask, mask.sum(), out.weights), PolicyLossParams())[0]
 
     assert loss(0.3).item() == pytest.approx(0.7 * loss(0.0).item() + 0.3 * loss(1.0).item(), rel=1e-12)
 

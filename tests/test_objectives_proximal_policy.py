@@ -13,10 +13,12 @@ from safetensors.torch import load_file
 from nearpolicy.batching import collate
 from nearpolicy.ops.corrections import CorrectionSpec
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.proximal_policy import EwmaPolicy, a3po_behaviour_proximal, restore_proximal
+from nearpolicy.ops.proximal import a3po_behaviour_proximal
+from nearpolicy.proximal_policy import EwmaPolicy, restore_proximal
 from nearpolicy.runs import load_checkpoint, load_extra_tensors, save_checkpoint
 from nearpolicy.types import Rollout, SamplingParams
-from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
+from nearpolicy.policy import recompute_logprobs
+from nearpolicy.update import UpdateSettings, policy_update
 
 SAMPLING = SamplingParams(0.9, 1.0, 0, 8)
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
@@ -60,7 +62,7 @@ def test_ewma_model_after_k_optimizer_steps_is_the_bias_corrected_average_of_the
     for _ in range(2):
         old = recompute_logprobs(model, batch, SAMPLING, 3)[0]
         policy_update(model, optimizer, batch, old, ADV, SAMPLING, _settings(2, "ewma"), on_step=step,
-                      proximal_logprobs=ewma.logprobs(batch, SAMPLING, 3))
+                      ewma_logprobs=ewma.logprobs(batch, SAMPLING, 3))
     k = len(snapshots) - 1
     assert k == 4
     coeff = [beta ** (k - j) for j in range(k + 1)]
@@ -86,7 +88,7 @@ def test_ewma_decay_zero_gives_proximal_equal_to_old_and_the_same_update(model_a
         assert torch.equal(prox, old)
         given = prox if proximal == "ewma" else None
         runs[proximal] = policy_update(m, optimizer, batch, old, ADV, SAMPLING, _settings(2, proximal),
-                                       proximal_logprobs=given).metrics
+                                       ewma_logprobs=given).metrics
     assert runs["ewma"] == runs["old"]
 
 

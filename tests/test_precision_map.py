@@ -11,7 +11,8 @@ import torch
 
 from nearpolicy.config import ConfigError, load_config
 from nearpolicy.engines.gguf_export import export_gguf
-from nearpolicy.engines.precision_map import describe, precision_for, round_to_precision, validate_selector
+from nearpolicy.engines.gguf_export import round_to_precision
+from nearpolicy.engines.precision_map import describe, precision_for, validate_selector
 
 
 def test_selectors_and_last_match_wins():

@@ -29,11 +29,19 @@ def _cfg(model_path, out: Path, *extra: str) -> Config:
                               "engine.kind=hf", *extra])
 
 
-def _trainer(tiny_model_dir, tmp_path, *extra: str):
-    from nearpolicy.trainer import Trainer
+def _trainer(tiny_model_dir, tmp_path, *extra: str, rewrite=None):
+    """A Trainer on the tiny model; with `rewrite`, its rollout source samples from a hostile engine (the real one
+    with each rollout passed through `rewrite`), handed in through setup's assembly."""
+    from nearpolicy import setup
+    from nearpolicy.trainer import open_trainer
+
+    def build(cfg, run_dir, log):
+        session = setup.build_session(cfg, run_dir, log)
+        engine = setup.build_engine(cfg, session)
+        return session, setup.build_rollouts(cfg, session, _Rewriting(engine, rewrite) if rewrite else engine, log)
 
     logs: list[str] = []
-    return Trainer(_cfg(tiny_model_dir, tmp_path, *extra), log=logs.append), logs
+    return open_trainer(_cfg(tiny_model_dir, tmp_path, *extra), log=logs.append, build=build), logs
 
 
 class _Rewriting:
@@ -56,9 +64,8 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
 def test_engine_returning_empty_completions_gives_a_zero_update(tiny_model_dir, tmp_path):
     from nearpolicy.types import Rollout
 
-    trainer, _ = _trainer(tiny_model_dir, tmp_path)
-    trainer.s.engine = _Rewriting(trainer.s.engine, lambda r: Rollout(r.group_id, r.sample_index, r.prompt_ids,
-                                                                       [], [], [], "length"))
+    trainer, _ = _trainer(tiny_model_dir, tmp_path, rewrite=lambda r: Rollout(r.group_id, r.sample_index,
+                                                                                r.prompt_ids, [], [], [], "length"))
     before = _weights(trainer)
     metrics = trainer.train_step()
     assert metrics["response/length_mean"] == 0.0 and metrics["reward/mean"] == 0.0
@@ -71,8 +78,8 @@ def test_engine_returning_empty_completions_gives_a_zero_update(tiny_model_dir, 
 def test_engine_token_id_outside_the_vocabulary_is_named(tiny_model_dir, tmp_path):
     from dataclasses import replace
 
-    trainer, _ = _trainer(tiny_model_dir, tmp_path)
-    trainer.s.engine = _Rewriting(trainer.s.engine, lambda r: replace(r, completion_ids=[49157] * len(r.completion_ids)))
+    trainer, _ = _trainer(tiny_model_dir, tmp_path,
+                          rewrite=lambda r: replace(r, completion_ids=[49157] * len(r.completion_ids)))
     with pytest.raises(ValueError, match=r"token ids \[49157, 49157.*outside the vocabulary \[0, 49152\)"):
         trainer.train_step()
     assert trainer.state.data_position == 0  # the step was not counted
@@ -118,7 +125,7 @@ def test_unscorable_samples_leave_the_group_statistics_get_advantage_0_and_are_c
     assert first["reward/unscorable"] == 2.0 and first["reward/timeouts"] == 0.0 and first["reward/scorer_errors"] == 2.0
     assert any("2 of 4 reward call(s) unscorable, e.g. RuntimeError: checker crashed" in m for m in logs)
     assert trainer.train_step()["reward/scorer_errors"] == 4.0  # cumulative
-    assert trainer.s.engine.stop_ids == {0, 2, 4} and trainer.s.plan["stop_token_ids"] == [0, 2, 4]  # llama.cpp's EOG
+    assert trainer.rollouts.engine.stop_ids == {0, 2, 4} and trainer.s.plan["stop_token_ids"] == [0, 2, 4]  # llama.cpp's EOG
     trainer.close()
 
 
@@ -126,7 +133,8 @@ def test_resume_on_changed_jsonl_data_is_refused_naming_the_change(tiny_model_di
     """Appending 11 lines to a 100-line task and resuming: refused before anything loads, saying what changed."""
     import hashlib
 
-    from nearpolicy.trainer import RunExistsError, Trainer
+    from nearpolicy.runs import RunExistsError
+    from nearpolicy.trainer import open_trainer
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(100)))
@@ -142,7 +150,7 @@ def test_resume_on_changed_jsonl_data_is_refused_naming_the_change(tiny_model_di
     after = hashlib.sha256(data.read_bytes()).hexdigest()
     with pytest.raises(RunExistsError, match=rf"--resume on changed data: task\.path data\.jsonl changed: 100 -> 111 "
                                              rf"lines, \d+ -> \d+ bytes, sha256 {before[:12]} -> {after[:12]}"):
-        Trainer(_cfg(tiny_model_dir, tmp_path, *extra), resume=True, log=lambda m: None)
+        open_trainer(_cfg(tiny_model_dir, tmp_path, *extra), resume=True, log=lambda m: None)
 
 
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):
@@ -185,10 +193,10 @@ def test_non_finite_weights_are_never_exported_or_saved(tiny_model_dir, tmp_path
     trainer.checkpoint()  # step 0
     with torch.no_grad():
         trainer.s.model.model.layers[0].mlp.up_proj.weight[0, 0] = float("inf")
-    version = trainer.s.engine.version
+    version = trainer.rollouts.engine.version
     with pytest.raises(NonFiniteError, match=r"weights became non-finite at step 1 \(model.layers.0.mlp.up_proj.weight\)"):
         trainer.train_step()
-    assert trainer.s.engine.version == version  # the engine never got them
+    assert trainer.rollouts.engine.version == version  # the engine never got them
     with pytest.raises(FloatingPointError, match="refusing to checkpoint non-finite weights"):
         trainer.checkpoint()
     assert [p.name for p in list_checkpoints(trainer.run_dir)] == ["step_000000"]
@@ -211,7 +219,8 @@ def _cli(model_path, out: Path, capsys, *extra: str, resume: bool = False) -> tu
 @pytest.mark.slow
 def test_disk_full_during_the_engine_gguf_export_keeps_checkpoint_and_engine_file(tiny_gguf_factory, tmp_path,
                                                                                  capsys, monkeypatch):
-    """Exports: 1 at startup, 1 per step's sync. The third (step 2's sync) hits ENOSPC half-way."""
+    """GGUF writes: the tensor-less vocabulary GGUF (the stop set) and the engine's at startup, then 1 per step's
+    sync. The fourth (step 2's sync) hits ENOSPC half-way."""
     import gguf
 
     from nearpolicy.models import resolve_model
@@ -221,7 +230,7 @@ def test_disk_full_during_the_engine_gguf_export_keeps_checkpoint_and_engine_fil
 
     def filling(self, *, progress=False):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 4:
             self.fout[0].write(b"\0" * 4096)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(self, progress=progress)
@@ -233,7 +242,7 @@ def test_disk_full_during_the_engine_gguf_export_keeps_checkpoint_and_engine_fil
     assert (f"error: [Errno 28] could not write the engine GGUF {run}/engine/policy-q8_0.gguf (No space left on "
             f"device); the previous policy-q8_0.gguf is unchanged at step 1; the last checkpoint "
             f"{run}/checkpoints/step_000001 is intact (continue with --resume)") in err
-    assert sorted(p.name for p in (run / "engine").iterdir()) == ["llamacpp.log", "policy-q8_0.gguf"]  # no temporary
+    assert sorted(p.name for p in (run / "engine").iterdir()) == ["llamacpp.log", "policy-q8_0.gguf", "vocab.gguf"]  # no temp
     assert resolve_model(str(run / "engine" / "policy-q8_0.gguf")).kind == "gguf"  # complete, readable
     state = json.loads((run / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert (state["step"], state["version"], state["engine_precision"]) == (1, 1, "q8_0")
@@ -365,7 +374,7 @@ def test_sigint_mid_step_finishes_the_step_and_checkpoints_it(tiny_model_dir, tm
 def test_resume_past_a_checkpoint_damaged_after_its_weights_restarts_from_the_initial_weights(tiny_model_dir, tmp_path):
     """The only checkpoint has intact weights but a truncated optimizer file: --resume starts over from step 0 with
     model.path's weights, not the damaged checkpoint's (a partial load must not leak)."""
-    from nearpolicy.trainer import Trainer
+    from nearpolicy.trainer import open_trainer
 
     extra = ("logging.keep_checkpoints=1", "algorithm.lr=0.01", "algorithm.weight_decay=0.5")  # decay moves weights
     trainer, _ = _trainer(tiny_model_dir, tmp_path, *extra)
@@ -376,7 +385,7 @@ def test_resume_past_a_checkpoint_damaged_after_its_weights_restarts_from_the_in
     optimizer_file = ckpt / "optimizer.safetensors"
     optimizer_file.write_bytes(optimizer_file.read_bytes()[:100])
     logs: list[str] = []
-    resumed = Trainer(_cfg(tiny_model_dir, tmp_path, *extra), resume=True, log=logs.append)
+    resumed = open_trainer(_cfg(tiny_model_dir, tmp_path, *extra), resume=True, log=logs.append)
     assert any("is not loadable" in m for m in logs) and any("starting from step 0" in m for m in logs)
     assert resumed.state.step == 0
     assert all(torch.equal(initial[k], v) for k, v in _weights(resumed).items())

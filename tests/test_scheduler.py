@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nearpolicy.scheduler import RolloutScheduler, SegmentResult, staleness_metrics
+from nearpolicy.rollouts.scheduler import RolloutScheduler, staleness_metrics
+from nearpolicy.rollouts.types import SegmentResult
 
 
 def token_logprob(group: int, sample: int, position: int, version: int) -> float:

@@ -12,7 +12,8 @@ from nearpolicy.batching import collate
 from nearpolicy.ops.corrections import CorrectionSpec
 from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.types import Rollout, SamplingParams
-from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
+from nearpolicy.policy import recompute_logprobs
+from nearpolicy.update import UpdateSettings, policy_update
 
 SAMPLING = SamplingParams(0.9, 1.0, 0, 8)
 

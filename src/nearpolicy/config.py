@@ -274,7 +274,7 @@ class CorrectionConfig(Section):
 
 class RolloutConfig(Section):
     """Where rollouts come from: inline in the trainer process (engines = 0, synchronous) or engine replicas
-    running beside the trainer with bounded staleness (scheduler.py)."""
+    running beside the trainer with bounded staleness (rollouts/scheduler.py)."""
 
     backend: Literal["local", "ray"] = "local"
     """local: replicas are processes on this machine; ray: Ray actors on the cluster ray.init reaches."""

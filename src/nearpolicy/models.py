@@ -129,3 +129,33 @@ def _rebuild_plain(loaded: Any) -> Any:
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.tie_weights()
     return model
+
+
+# -- tokenizer helpers ------------------------------------------------------------------------------------------
+def pad_token_id(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its EOS token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def chat_prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:
+    """Chat-templated prompt ids (template applied once, generation prompt appended). Raises ValueError for an
+    empty question."""
+    if not question.strip():
+        raise ValueError("empty prompt: the task produced a problem with no question text")
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def stop_token_ids(model, tokenizer, template: Path | None, folder: Path) -> set[int]:
+    """Every id that ends a response, for every engine: llama.cpp's end-of-generation set (llama_vocab_is_eog over
+    the vocabulary) of the GGUF metadata the llama.cpp engine gets (`template`'s, else the one written from
+    `tokenizer`), read from a tensor-less GGUF written to `folder`. SmolLM2: {0, 2, 4}, a superset of the HF
+    tokenizer's eos (2) and <|im_end|> (2) (invariant 18)."""
+    from nearpolicy.engines.gguf_export import export_vocab_gguf
+    from nearpolicy.engines.llamacpp import eog_token_ids
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return set(eog_token_ids(export_vocab_gguf(model.config, folder / "vocab.gguf", template, tokenizer)))

@@ -21,3 +21,11 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Sampl
     return token_logprobs_and_entropy(
         picked, batch.completion_ids, sampling.temperature, sampling.top_k, sampling.top_p
     )
+
+
+@torch.no_grad()
+def recompute_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParams, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs [B, T] and entropy [B, T] (float32, no grad) of the batch's completion ids under `model`'s
+    current weights, in micro-batches of `micro` rows (old_logprobs when `model` holds the sampling weights)."""
+    parts = [sequence_logprobs(model, batch.select(slice(i, i + micro)), sampling) for i in range(0, len(batch), micro)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -1,36 +1,40 @@
-"""The orchestrator: one function per phase (rollout, score, recompute, update, sync, evaluate, log).
-Synchronous GRPO: the engine samples with the trainer's current weights (exported at the rollout precision),
-so every difference between rollout_logprobs and old_logprobs is numerical mismatch, not policy lag."""
+"""The orchestrator: one function per phase (collect, score, advantages, update, diagnostics, publish, evaluate,
+log) over a Session (policy, task, optimizer) and a RolloutSource (rollouts/: where the samples come from, inline
+or from engine replicas), both assembled by setup.py and handed in. `open_trainer` checks the run folder and
+assembles them."""
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from nearpolicy.batching import collate
 from nearpolicy.config import Config
-from nearpolicy.engines.process import EngineDied, ProcessEngine
+from nearpolicy.engines.process import EngineDied
 from nearpolicy.guards import BadStepGuard, check_finite_weights, check_task_prompts
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
-from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
+from nearpolicy.phases import (distill_advantages, eval_metrics, mismatch_diagnostics, progress_postfix, score_texts,
+                               step_metrics)
+from nearpolicy.policy import recompute_logprobs
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
+from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.runs import (MetricsSink, RunExistsError, check_resume, list_checkpoints, note_engine_precision,
                              resume_checkpoint, save_checkpoint, write_json)
-from nearpolicy.setup import Session, build_session
+from nearpolicy.setup import Session, assemble, sampling_params
 from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
-from nearpolicy.tasks.identity import data_changes, data_identity
-from nearpolicy.tasks.scoring import BoundedScorer, ScoreResult
-from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
-from nearpolicy.update import UpdateSettings, policy_update, recompute_logprobs
+from nearpolicy.tasks.identity import data_identity
+from nearpolicy.tasks.scoring import BoundedScorer
+from nearpolicy.types import Rollout
+from nearpolicy.update import UpdateResult, UpdateSettings, policy_update
 
 
 @dataclass
@@ -39,7 +43,7 @@ class TrainState:
     data_position: int = 0
     version: int = 0
     scorer_errors: int = 0
-    scheduler: dict | None = None  # async rollouts: the scheduler's restart state
+    scheduler: dict | None = None  # the rollout source's restart state (async rollouts: the scheduler's)
 
 
 def _update_settings(cfg: Config) -> UpdateSettings:
@@ -50,75 +54,85 @@ def _update_settings(cfg: Config) -> UpdateSettings:
                           c.spec(), c.center, c.adaptive_mix, c.proximal)
 
 
-class Trainer:
-    def __init__(self, cfg: Config, *, resume: bool = False, log=print):
-        self.cfg, self.log = cfg, log
-        self.run_dir = cfg.run.output_dir / cfg.run.name
-        existing = list_checkpoints(self.run_dir) or (self.run_dir / "metrics.jsonl").exists()
-        if existing and not resume:
-            raise RunExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or set run.name")
-        self.data = data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
-        if resume:  # refuse a changed config, changed data or damaged metrics before the minutes of loading
-            check_resume(self.run_dir, cfg, self.data)
-        created = not self.run_dir.exists()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.run.seed)
+def open_trainer(cfg: Config, *, resume: bool = False, log=print,
+                 build: Callable[[Config, Path, Callable], tuple[Session, RolloutSource]] = assemble) -> Trainer:
+    """Check the run folder (a run there needs --resume; a resume needs the same config and data), assemble the
+    session and rollout source with `build` (setup.assemble), and return the Trainer. A run that fails to
+    assemble leaves no folder behind."""
+    run_dir = cfg.run.output_dir / cfg.run.name
+    existing = list_checkpoints(run_dir) or (run_dir / "metrics.jsonl").exists()
+    if existing and not resume:
+        raise RunExistsError(f"{run_dir} already holds a run; pass --resume to continue it or set run.name")
+    data = data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
+    if resume:  # refuse a changed config, changed data or damaged metrics before the minutes of loading
+        check_resume(run_dir, cfg, data)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.run.seed)
+    try:
+        session, rollouts = build(cfg, run_dir, log)
+    except BaseException:
+        if created:  # a run that never started leaves no folder to block the retry
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return Trainer(cfg, session, rollouts, resume=resume, log=log, data=data)
+
+
+def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], sampling):
+    """(rewards [N] float32, NaN = unscorable; the advantage result of algorithm.advantage; the token batch; the
+    advantages, [N], or [N, T] with on-policy distillation; the distillation metrics)."""
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    adv = compute_advantages(cfg.algorithm.advantage, rewards, torch.tensor([r.group_id for r in rollouts]))
+    batch = collate(rollouts, session.pad_id, session.vocab_size)
+    if session.teacher is None:
+        return rewards, adv, batch, adv.advantages.float(), {}
+    advantages, metrics = distill_advantages(cfg, session.teacher, batch, adv.advantages.float(), sampling)
+    return rewards, adv, batch, advantages, metrics
+
+
+class _Timer(dict):
+    """time/<phase> seconds of one step: `with timer("rollout"): ...`."""
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
         try:
-            self.s: Session = build_session(cfg, self.run_dir, log)
-        except BaseException:
-            if created:  # a run that never started leaves no folder to block the retry
-                shutil.rmtree(self.run_dir, ignore_errors=True)
-            raise
-        self.scorer = BoundedScorer(self.s.task, cfg.task.reward_timeout_s)
-        self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
-                                       cfg.sampling.max_new_tokens)
+            yield
+        finally:
+            self[f"time/{phase}"] = self.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
+
+
+class Trainer:
+    """One run over a Session and a RolloutSource (see open_trainer): `fit` runs the steps, evaluates, logs and
+    checkpoints; `train_step` is one step's phases."""
+
+    def __init__(self, cfg: Config, session: Session, rollouts: RolloutSource, *, resume: bool = False, log=print,
+                 data: dict | None = None):
+        self.cfg, self.s, self.rollouts, self.log = cfg, session, rollouts, log
+        self.run_dir = cfg.run.output_dir / cfg.run.name
+        self.data = data if data is not None else data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
+        self.scorer = BoundedScorer(session.task, cfg.task.reward_timeout_s)
+        self.sampling = sampling_params(cfg)
         self.settings = _update_settings(cfg)
-        check_task_prompts(self.s.task, self.s.prompt_ids, cfg.model.max_context, cfg.sampling.max_new_tokens)
+        check_task_prompts(session.task, session.prompt_ids, cfg.model.max_context, cfg.sampling.max_new_tokens)
         self.state = TrainState()
         self.guard = BadStepGuard(cfg.run.max_bad_steps)
         self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
         self.postfix: dict[str, str] = {}  # the progress bar's figures after the last step
-        self.ewma = build_proximal_policy(cfg.correction.proximal, self.s.model, cfg.correction.ewma_decay)
+        self.ewma = build_proximal_policy(cfg.correction.proximal, session.model, cfg.correction.ewma_decay)
         if resume:
             self._resume()
-        self.resync_pending = False  # DLC: the next batch must come from the newest weights
-        self.inline_version = self.state.version  # the weights the in-process engine (evaluation) holds
-        self.async_rollouts = None
-        if cfg.rollout.engines:
-            from nearpolicy.async_rollouts import AsyncRollouts
-
-            self.async_rollouts = AsyncRollouts(cfg, self.s, self.sampling, self.state.version, self.state.data_position,
-                                                self.state.scheduler, log)
+        rollouts.start(self.state.version, self.state.data_position, self.state.scheduler)
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
-        write_json(self.run_dir / "plan.json", self.s.plan | {"data": self.data, "resumed_at_step": self.state.step})
+        write_json(self.run_dir / "plan.json", session.plan | {"data": self.data, "resumed_at_step": self.state.step})
         self.metrics = MetricsSink(self.run_dir, cfg.logging.tensorboard)
 
     # -- phases ----------------------------------------------------------------------------------
-    def rollout(self, problems: list[Problem]) -> list[Rollout]:
-        g = self.cfg.algorithm.group_size
-        base = self.state.data_position
-        requests = [GenerationRequest(base + i, tuple(self.s.prompt_ids(p)), g) for i, p in enumerate(problems)]
-        seed = int(np.random.SeedSequence([self.cfg.run.seed, self.state.step]).generate_state(1)[0])
-        return self.s.engine.generate(requests, self.sampling, seed)
-
-    def _reward(self, completions: list[list[int]], problems: list[Problem], phase: str) -> list[ScoreResult]:
-        """Score each response text only (never the prompt), in one batch, each call within task.reward_timeout_s:
-        NaN when the scorer raises or returns no number in [0, 1] (unscorable), 0 on a timeout. `phase` names the
-        step or eval in the warning that failed calls get."""
-        texts = [self.s.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        results = self.scorer.score(list(zip(texts, problems)))
-        for status in ("error", "timeout"):
-            failed = [r for r in results if r.status == status]
-            if failed:
-                self.log(f"warning: {phase}: {len(failed)} of {len(results)} reward call(s) "
-                         f"{'unscorable' if status == 'error' else 'timed out'}, e.g. {failed[0].message}")
-        return results
-
     def score(self, rollouts: list[Rollout], problems: dict[int, Problem]) -> dict[str, float]:
         """Set each rollout's reward (NaN = unscorable: left out of the group statistics, advantage 0; a timeout
         scores 0). Returns the step's counts reward/unscorable and reward/timeouts."""
-        results = self._reward([r.completion_ids for r in rollouts], [problems[r.group_id] for r in rollouts],
-                               f"step {self.state.step + 1}")
+        results = score_texts(self.scorer, self.s.tokenizer, [r.completion_ids for r in rollouts],
+                              [problems[r.group_id] for r in rollouts], f"step {self.state.step + 1}", self.log)
         for r, result in zip(rollouts, results):
             r.reward = result.reward
         unscorable = sum(result.status == "error" for result in results)
@@ -126,122 +140,56 @@ class Trainer:
         return {"reward/unscorable": float(unscorable),
                 "reward/timeouts": float(sum(result.status == "timeout" for result in results))}
 
-    def distill_advantages(self, batch, task_advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Token advantages [B, T]: on-policy distillation from the engine's log-probs of its own samples and the
-        teacher's, both under the same sampling transform (so the reverse KL compares like with like when T != 1
-        or top-k / top-p are on), plus distill.reward_weight x the task advantage."""
-        d = self.cfg.distill
-        teacher = recompute_logprobs(self.s.teacher, batch, self.sampling, self.cfg.algorithm.micro_batch_size)[0]
-        defined = batch.mask & batch.has_rollout
-        token_adv, metrics = opd_advantages(batch.rollout_logprobs, teacher, defined, d.coef, d.discount)
-        total = token_adv + d.reward_weight * task_advantages[:, None]
-        return total.float(), {"distill/teacher_kl": float(metrics["teacher_kl"])}
+    def update(self, batch, advantages: torch.Tensor, keep: torch.Tensor | None, timer: _Timer) -> UpdateResult:
+        """Recompute old_logprobs (unless fused into the update), then `minibatches` optimizer steps."""
+        micro, old, entropy = self.cfg.algorithm.micro_batch_size, None, None
+        if self.cfg.algorithm.minibatches > 1 or self.settings.needs_batch_statistics:  # else fused into the update
+            with timer("recompute"):
+                old, entropy = recompute_logprobs(self.s.model, batch, self.sampling, micro)
+        with timer("update"):
+            ewma = None if self.ewma is None else self.ewma.logprobs(batch, self.sampling, micro)
+            update = policy_update(self.s.model, self.s.optimizer, batch, old, advantages, self.sampling,
+                                   self.settings, sample_keep=keep, ref_model=self.s.ref_model, ewma_logprobs=ewma,
+                                   version=self.state.version,
+                                   on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
+        if update.entropy is None:
+            update.entropy = entropy
+        return update
 
-    def sync(self) -> None:
+    def publish(self) -> None:
         check_finite_weights(self.s.model, self.state.step + 1)  # never export (or later save) NaN / inf weights
         self.state.version += 1
-        if self.async_rollouts is not None:
-            self.async_rollouts.publish(self.state.version)
-        else:
-            self.s.sync_engine(self.state.version)
-            self.inline_version = self.state.version
+        self.rollouts.publish(self.state.version)
 
     def evaluate(self) -> dict[str, float]:
-        if self.inline_version != self.state.version:  # async: the replicas got every update, this engine did not
-            self.s.engine.update_weights(self.async_rollouts.latest, self.state.version)
-            self.inline_version = self.state.version
+        """Greedy accuracy on the held-out problems with the in-process engine at the newest weights."""
+        engine = self.rollouts.eval_engine()
         problems = self.s.task.eval_problems()
-        prompts = [self.s.prompt_ids(p) for p in problems]
-        completions = self.s.engine.greedy(prompts, self.cfg.sampling.max_new_tokens)
-        results = self._reward(completions, problems, f"eval at step {self.state.step}")
-        scores = np.array([r.reward for r in results], dtype=float)
-        scorable = scores[np.isfinite(scores)]  # accuracy over the scorable answers; a timeout counts as wrong
-        return {"eval/accuracy": float(scorable.mean()) if scorable.size else float("nan"),
-                "eval/unscorable": float(scores.size - scorable.size),
-                "eval/response_length": float(np.mean([len(c) for c in completions]))}
-
-    def collect(self) -> tuple[list[Rollout], dict[int, Problem], dict[str, float]]:
-        """The step's rollouts and their problems: sampled inline now, or taken from the async replicas."""
-        if self.async_rollouts is not None:
-            return self.async_rollouts.collect(self.state.version, self.resync_pending)
-        n = self.cfg.algorithm.prompts_per_step
-        problems = [self.s.task.train_problem(self.state.data_position + i) for i in range(n)]
-        by_group = {self.state.data_position + i: p for i, p in enumerate(problems)}
-        return self.rollout(problems), by_group, {}
-
-    def _resync_check(self, batch, old_logprobs: torch.Tensor, defined: torch.Tensor) -> dict[str, float]:
-        from nearpolicy.async_rollouts import lag_ess
-
-        ess = lag_ess(old_logprobs, batch.rollout_logprobs, defined, batch.versions, self.state.version)
-        self.resync_pending = ess < self.cfg.rollout.resync_ess
-        fresh = defined & (batch.versions == self.state.version)  # numerical discrepancy only
-        split = {"fresh": fresh, "stale": defined & ~fresh}  # stale: discrepancy + version lag
-        return {"staleness/lag_ess": ess, "staleness/resync": float(self.resync_pending),
-                **{f"mismatch/{k}_k3": float(mismatch_metrics(old_logprobs, batch.rollout_logprobs, m)["k3"])
-                   for k, m in split.items()}}
+        completions = engine.greedy([self.s.prompt_ids(p) for p in problems], self.cfg.sampling.max_new_tokens)
+        results = score_texts(self.scorer, self.s.tokenizer, completions, problems, f"eval at step {self.state.step}",
+                              self.log)
+        return eval_metrics(results, completions)
 
     def train_step(self) -> dict[str, float]:
-        cfg, t = self.cfg, {}
-        t0 = time.perf_counter()
-        rollouts, by_group, async_metrics = self.collect()
-        t["time/rollout"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        score_metrics = self.score(rollouts, by_group)
-        t["time/score"] = time.perf_counter() - t0
-        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)  # NaN = unscorable
-        groups = torch.tensor([r.group_id for r in rollouts])
-        adv = compute_advantages(cfg.algorithm.advantage, rewards, groups)
-        advantages = adv.advantages.float()
-        batch = collate(rollouts, self.s.pad_id, self.s.vocab_size)
-        distill_metrics = {}
-        if self.s.teacher is not None:
-            advantages, distill_metrics = self.distill_advantages(batch, advantages)
-        old_logprobs = entropy = None
-        t["time/recompute"] = 0.0
-        if cfg.algorithm.minibatches > 1 or self.settings.needs_batch_statistics:  # else fused into the update
-            t0 = time.perf_counter()
-            old_logprobs, entropy = recompute_logprobs(self.s.model, batch, self.sampling, cfg.algorithm.micro_batch_size)
-            t["time/recompute"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        prox = None if self.ewma is None else self.ewma.logprobs(batch, self.sampling, cfg.algorithm.micro_batch_size)
-        update = policy_update(self.s.model, self.s.optimizer, batch, old_logprobs, advantages, self.sampling,
-                               self.settings, sample_keep=adv.keep, ref_model=self.s.ref_model, proximal_logprobs=prox,
-                               version=self.state.version,
-                               on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
-        old_logprobs = update.old_logprobs
-        entropy = entropy if update.entropy is None else update.entropy
-        t["time/update"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _, defined = mismatch_log_ratio(old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
-        mismatch = {}
-        if cfg.logging.diagnostics:
-            mismatch = mismatch_metrics(old_logprobs, batch.rollout_logprobs, defined)
-            mismatch |= mismatch_decomposition(update.logprobs, old_logprobs, batch.rollout_logprobs, defined)
-            mismatch = {k: float(v) for k, v in mismatch.items()}
-        t["time/diagnostics"] = time.perf_counter() - t0
-        if self.async_rollouts is not None:
-            async_metrics |= self._resync_check(batch, old_logprobs, defined)
-        self.state.data_position = (self.async_rollouts.next_group_id if self.async_rollouts is not None
-                                    else self.state.data_position + len(by_group))  # only a completed step counts
-        t0 = time.perf_counter()
-        self.sync()
-        t["time/sync"] = time.perf_counter() - t0
-        if self.async_rollouts is not None:
-            async_metrics |= self.async_rollouts.metrics()
-        n_tokens = float(batch.mask.sum())
-        lengths = batch.mask.sum(1).float()
-        out = {
-            **_reward_stats(rewards), **score_metrics, "reward/scorer_errors": float(self.state.scorer_errors),
-            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-            "response/frac_truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
-            "entropy": float(entropy[batch.mask].mean()),
-            **{f"mismatch/{k}": float(v) for k, v in mismatch.items()},
-            **update.metrics, **t, **distill_metrics, **async_metrics,
-            "throughput/rollout_tokens_per_s": n_tokens / max(t["time/rollout"], 1e-9),
-            "throughput/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t["time/update"], 1e-9),
-            "policy/version": float(self.state.version),
-        }
-        return out
+        timer = _Timer(**{"time/recompute": 0.0})
+        with timer("rollout"):
+            got = self.rollouts.collect(self.state.step, self.state.version, self.state.data_position)
+        with timer("score"):
+            score_metrics = self.score(got.rollouts, got.problems)
+        rewards, adv, batch, advantages, distill_metrics = step_advantages(self.cfg, self.s, got.rollouts,
+                                                                           self.sampling)
+        update = self.update(batch, advantages, adv.keep, timer)
+        with timer("diagnostics"):
+            _, defined = mismatch_log_ratio(update.old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
+            mismatch = mismatch_diagnostics(update, batch, defined) if self.cfg.logging.diagnostics else {}
+        source_metrics = got.metrics | self.rollouts.step_metrics(update.old_logprobs, batch.rollout_logprobs, defined,
+                                                                  batch.versions, self.state.version)
+        self.state.data_position = got.next_position  # only a completed step counts
+        with timer("sync"):
+            self.publish()
+        return step_metrics(rewards, got.rollouts, batch, update, timer) | score_metrics | mismatch | {
+            "reward/scorer_errors": float(self.state.scorer_errors), **distill_metrics, **source_metrics,
+            "policy/version": float(self.state.version)}
 
     # -- loop ------------------------------------------------------------------------------------
     def fit(self, stop=None, progress: bool = True) -> Path:
@@ -289,8 +237,7 @@ class Trainer:
             if step % cfg.logging.checkpoint_every == 0 or step == cfg.run.steps:
                 self.checkpoint()
             self.guard.check(step)
-            self.postfix = dict(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
-                                acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
+            self.postfix = progress_postfix(metrics)
             bar.update(1)
             bar.set_postfix(self.postfix)
         self.metrics.close()
@@ -298,21 +245,17 @@ class Trainer:
         return self.run_dir
 
     def close(self) -> None:
-        """Stop the engine replicas (async rollouts), the engine's process and the scoring process; safe to call
-        twice."""
+        """Stop the rollout source's engines and the scoring process; safe to call twice."""
         self.scorer.close()
-        if self.async_rollouts is not None:
-            self.async_rollouts.close()
-            self.async_rollouts = None
-        if isinstance(self.s.engine, ProcessEngine):
-            self.s.engine.close()
+        self.rollouts.close()
 
     def checkpoint(self) -> Path:
         st = self.state
         state = {"data_position": st.data_position, "version": st.version, "scorer_errors": st.scorer_errors,
                  "engine_precision": self.cfg.engine.precision, **self.guard.state()}
-        if self.async_rollouts is not None:
-            state["scheduler"] = self.async_rollouts.state_dict()
+        source_state = self.rollouts.state_dict()
+        if source_state is not None:
+            state["scheduler"] = source_state
         extra = None if self.ewma is None else self.ewma.state_tensors()
         self.saved = save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state,
                                      self.cfg.logging.keep_checkpoints, extra=extra)
@@ -327,7 +270,8 @@ class Trainer:
         return self.checkpoint()
 
     def _resume(self) -> None:
-        """Continue from the newest loadable checkpoint (runs.resume_checkpoint); with none, start over."""
+        """Continue from the newest loadable checkpoint (runs.resume_checkpoint); with none, start over. The rollout
+        source pushes the restored weights to its engines when it starts."""
         found = resume_checkpoint(self.run_dir, self.s.model, self.s.optimizer, lambda path, extra: restore_proximal(
             self.ewma, extra, self.s.model, self.log, where=path), self.log)
         if found is None:
@@ -338,12 +282,4 @@ class Trainer:
         self.guard.restore(saved)
         self.saved = path
         note_engine_precision(saved, self.cfg.engine.precision, self.log)
-        self.s.sync_engine(self.state.version)
         self.log(f"resumed from {path} at step {self.state.step}")
-
-
-def _reward_stats(rewards: torch.Tensor) -> dict[str, float]:
-    """reward/mean and reward/std over the scorable (finite) rewards [N]; NaN when none is scorable."""
-    scorable = rewards[torch.isfinite(rewards)]
-    mean = float(scorable.mean()) if scorable.numel() else float("nan")
-    return {"reward/mean": mean, "reward/std": float(scorable.std()) if scorable.numel() > 1 else 0.0}

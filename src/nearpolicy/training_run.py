@@ -14,10 +14,11 @@ from nearpolicy.config import Config
 def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
     """(Trainer, None), or (None, (2, message)) when the run cannot start."""
     from nearpolicy.engines.base import EngineError
-    from nearpolicy.trainer import RunExistsError, Trainer
+    from nearpolicy.runs import RunExistsError
+    from nearpolicy.trainer import open_trainer
 
     try:
-        return Trainer(cfg, resume=resume, log=log), None
+        return open_trainer(cfg, resume=resume, log=log), None
     except (RunExistsError, OSError, ValueError) as err:
         return None, (2, f"error: {err}")
     except EngineError as err:

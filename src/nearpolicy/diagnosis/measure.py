@@ -12,12 +12,12 @@ import torch
 
 from nearpolicy.batching import collate
 from nearpolicy.diagnosis.candidates import RolloutCandidate
-from nearpolicy.engines.gguf_export import tensor_precision
-from nearpolicy.engines.precision_map import round_to_precision
+from nearpolicy.engines.gguf_export import round_to_precision, tensor_precision
+from nearpolicy.models import pad_token_id, stop_token_ids
 from nearpolicy.ops.diagnostics import (k3_standard_error, logprob_diff_quantiles, mismatch_by_position,
                                         mismatch_metrics, sequence_ess)
 from nearpolicy.types import GenerationRequest, SamplingParams
-from nearpolicy.update import recompute_logprobs
+from nearpolicy.policy import recompute_logprobs
 
 
 @dataclass
@@ -82,7 +82,6 @@ def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
         return LlamaCppEngine(path, max_context=ctx.max_context, threads=ctx.threads, kv_cache=candidate.kv_cache,
                               flash_attention=candidate.flash_attention, max_parallel_sequences=ctx.max_parallel)
     from nearpolicy.engines.hf import HFEngine
-    from nearpolicy.setup import stop_token_ids
 
     return HFEngine(ctx.model, stop_token_ids(ctx.model, ctx.tokenizer, ctx.template_gguf, ctx.workdir), dtype=candidate.precision,
                     max_parallel_sequences=ctx.max_parallel)
@@ -97,8 +96,6 @@ def sample_batch(ctx: DiagnoseContext, engine, sampling: SamplingParams, on_samp
         rollouts += engine.generate([GenerationRequest(i, tuple(prompt), ctx.group_size)], sampling, ctx.seed + i)
         on_samples(ctx.group_size)
     seconds = time.perf_counter() - t0
-    from nearpolicy.setup import pad_token_id
-
     return collate(rollouts, pad_token_id(ctx.tokenizer), ctx.model.get_output_embeddings().weight.shape[0]), seconds
 
 

@@ -20,7 +20,6 @@ from nearpolicy.diagnosis.measure import CandidateResult, DiagnoseContext, measu
 from nearpolicy.diagnosis.plots import position_chart, sensitivity_chart
 from nearpolicy.diagnosis.sensitivity import reference_samples, scan
 from nearpolicy.runs import write_json
-from nearpolicy.types import SamplingParams
 
 DEFAULT_CANDIDATES = ("llamacpp:f32", "llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "llamacpp:mxfp4", "hf:bf16")
 FLOOR = "llamacpp:f32,kv_cache=f32"
@@ -106,9 +105,8 @@ def _diagnose(cfg: Config, settings: DiagnoseSettings, ctx: DiagnoseContext, flo
 def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
     import torch
 
-    from nearpolicy.models import load_policy, resolve_model
-    from nearpolicy.setup import chat_prompt_ids
-    from nearpolicy.tasks import make_task
+    from nearpolicy.models import chat_prompt_ids, load_policy, resolve_model
+    from nearpolicy.setup import build_task, sampling_params
 
     torch.set_num_threads(cfg.run.threads)
     resolved = resolve_model(cfg.model.path)
@@ -117,12 +115,10 @@ def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
     if settings.weights is not None:
         load_model_weights(settings.weights, model)
         log(f"weights from {settings.weights}")
-    t = cfg.task
-    task = make_task(t.kind, name=t.name, options=t.resolved_options(), path=t.path, train_size=t.train_size,
-                     eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines)
-    prompts = [chat_prompt_ids(tokenizer, t.system_prompt, task.train_problem(i).question) for i in range(settings.prompts)]
-    s = cfg.sampling
-    sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens)
+    task = build_task(cfg)
+    prompts = [chat_prompt_ids(tokenizer, cfg.task.system_prompt, task.train_problem(i).question)
+               for i in range(settings.prompts)]
+    sampling = sampling_params(cfg)
     Path(settings.out).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=".diagnose-engine-", dir=settings.out))  # scratch GGUFs, removed at the end
     return DiagnoseContext(model, tokenizer, resolved.path if resolved.kind == "gguf" else None, prompts,

@@ -114,6 +114,23 @@ def export_gguf(
     return report
 
 
+def export_model_gguf(model: torch.nn.Module, folder: Path, precision: str, tensor_precision: PrecisionMap,
+                      template_gguf: Path | None, tokenizer: Any) -> Path:
+    """Write `model`'s current weights as `folder`/policy-<precision>.gguf (`export_gguf` with `tensor_precision`
+    overrides) and return its path. Raises OSError naming the file when it cannot be written (the file an engine
+    holds is untouched: the write is atomic), else what `export_gguf` raises."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"policy-{precision}.gguf"
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    try:
+        export_gguf(state, model.config, path, precision, template_gguf, tokenizer=tokenizer,
+                    tensor_precision=tuple(tensor_precision))
+    except OSError as err:
+        kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not created"
+        raise OSError(err.errno, f"could not write the engine GGUF {path} ({err.strerror or err}); {kept}") from err
+    return path
+
+
 def export_vocab_gguf(config: Any, out_path: Path, template_gguf: Path | None, tokenizer: Any = None) -> Path:
     """Write a GGUF holding only the metadata `export_gguf` would write (no tensors): enough for llama.cpp to load
     the vocabulary (`vocab_only`), e.g. to read its end-of-generation set. Raises as `export_gguf`."""
@@ -360,3 +377,14 @@ def _pre_tokenizer_name(tokenizer: Any) -> str:
             "export with template_gguf= a GGUF that has this tokenizer"
         )
     return name
+
+
+def round_to_precision(weight: np.ndarray, precision: str) -> np.ndarray:
+    """Quantize a float32 [out, in] weight to `precision` and dequantize it back (float32, same shape): the
+    weight-rounding error of that type without its kernels. Rows whose length is not a multiple of the type's
+    block size are returned unchanged (the exporter stores those at F16)."""
+    qtype = QTYPES[precision][0]
+    if weight.ndim < 2 or weight.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
+        return weight
+    packed = gguf.quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype)
+    return gguf.quants.dequantize(packed, qtype).reshape(weight.shape).astype(np.float32)

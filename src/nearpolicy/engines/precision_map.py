@@ -12,7 +12,6 @@ import fnmatch
 import re
 from collections.abc import Sequence
 
-import numpy as np
 
 KIND_SELECTORS = {
     "embeddings": ("token_embd.*",),
@@ -63,18 +62,3 @@ def describe(default: str, overrides: PrecisionMap) -> str:
     if not overrides:
         return default
     return f"{default} ({', '.join(f'{s}={p}' for s, p in overrides)})"
-
-
-def round_to_precision(weight: np.ndarray, precision: str) -> np.ndarray:
-    """Quantize a float32 [out, in] weight to `precision` and dequantize it back (float32, same shape): the
-    weight-rounding error of that type without its kernels. Rows whose length is not a multiple of the type's
-    block size are returned unchanged (the exporter stores those at F16)."""
-    import gguf
-
-    from nearpolicy.engines.gguf_export import QTYPES
-
-    qtype = QTYPES[precision][0]
-    if weight.ndim < 2 or weight.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
-        return weight
-    packed = gguf.quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype)
-    return gguf.quants.dequantize(packed, qtype).reshape(weight.shape).astype(np.float32)

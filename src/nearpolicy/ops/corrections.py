@@ -1,9 +1,10 @@
 """Mismatch corrections between the engine (behaviour mu) and the trainer, composable as
 level x action x bounds, plus rejection rules and a token veto.
 
-Log-ratio direction (written once): log rho_t = proximal - rollout_logprobs, where
-  decoupled mode: proximal = old_logprobs (the trainer at the sampling weights, pi_old; AReaL / verl default);
-  bypass mode:    proximal = logprobs.detach() (the current policy; the loss then uses old := rollout_logprobs).
+Log-ratio direction (written once): log rho_t = numerator - rollout_logprobs, where
+  decoupled mode: numerator = proximal_logprobs (pi_old = old_logprobs by default, AReaL / verl; the EWMA or A-3PO
+                  proximal when chosen: ops/proximal.proximal_logprobs decides, the loss's ratio uses the same);
+  bypass mode:    numerator = logprobs.detach() (the current policy; the loss's proximal is then rollout_logprobs).
 log rho is clamped per token to +-20 nats (and sums again) before exp, and every weight is detached
 (invariant 11). A token without an engine log-prob gets log rho = 0 (ratio exactly 1), is never rejected, and
 is left out of every mean and metric below (invariant 5); "defined" = valid (mask) and has an engine log-prob.
@@ -154,18 +155,6 @@ def correction_log_ratio(
     raise ValueError(f"unknown correction mode {mode!r}; valid: {', '.join(MODES)}")
 
 
-def proximal_logprobs(
-    mode: CorrectionMode, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, has_rollout: torch.Tensor
-) -> torch.Tensor:
-    """The log-probs the loss's ratio is taken against ([B, T], detached): old_logprobs in decoupled mode; in
-    bypass mode rollout_logprobs, with old_logprobs where the engine gave none (mismatch ratio 1 there)."""
-    if mode == "decoupled":
-        return old_logprobs.detach()
-    if mode == "bypass":
-        return torch.where(has_rollout.bool(), rollout_logprobs, old_logprobs).detach()
-    raise ValueError(f"unknown correction mode {mode!r}; valid: {', '.join(MODES)}")
-
-
 def level_log_ratio(
     log_rho: torch.Tensor, defined: torch.Tensor, level: CorrectionLevel, prefix_inclusive: bool = False
 ) -> torch.Tensor:
@@ -271,14 +260,14 @@ def correct(spec: CorrectionSpec, log_rho: torch.Tensor, defined: torch.Tensor, 
 
 
 def mismatch_correction(
-    spec: CorrectionSpec, logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+    spec: CorrectionSpec, logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     mask: torch.Tensor, has_rollout: torch.Tensor, normalizer: torch.Tensor | float | None = None,
-) -> tuple[CorrectionResult, torch.Tensor]:
-    """`correct` with the log-ratio of spec.mode, plus the proximal log-probs [B, T] the loss's ratio must use
-    (old_logprobs in decoupled mode, rollout_logprobs in bypass mode). All inputs [B, T]."""
-    log_rho, defined = correction_log_ratio(spec.mode, logprobs, old_logprobs, rollout_logprobs, mask, has_rollout)
-    result = correct(spec, log_rho, defined, mask, normalizer)
-    return result, proximal_logprobs(spec.mode, old_logprobs, rollout_logprobs, has_rollout)
+) -> CorrectionResult:
+    """`correct` with the log-ratio of spec.mode: decoupled proximal_logprobs - rollout_logprobs, bypass
+    logprobs - rollout_logprobs. proximal_logprobs: the loss's proximal (ops/proximal.proximal_logprobs). All
+    inputs [B, T]."""
+    log_rho, defined = correction_log_ratio(spec.mode, logprobs, proximal_logprobs, rollout_logprobs, mask, has_rollout)
+    return correct(spec, log_rho, defined, mask, normalizer)
 
 
 def token_correction_weights(

@@ -107,6 +107,15 @@ def mismatch_decomposition(logprobs: torch.Tensor, old_logprobs: torch.Tensor, r
     return out
 
 
+def lag_ess(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined: torch.Tensor,
+            versions: torch.Tensor, version: int) -> torch.Tensor:
+    """Normalised ESS (float64 scalar, in (0, 1]) of exp(old_logprobs - rollout_logprobs) over the stale tokens
+    (versions [B, T] < `version`) of a batch ([B, T] inputs): the lag weights DLC watches (docs/math.md sec. 19).
+    1 when no token is stale."""
+    stale = defined.bool() & (versions < version)
+    return mismatch_metrics(old_logprobs, rollout_logprobs, stale)["ess"]
+
+
 def logprob_diff_quantiles(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor,
                            quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, torch.Tensor]:
     """Quantiles and max of |log pi - log mu| (nats) over defined tokens of [B, T] inputs, float64 scalars

@@ -97,14 +97,14 @@ def k3_is_kl(logprobs: torch.Tensor, ref: torch.Tensor, old: torch.Tensor) -> to
 
 
 def kl_penalty_tokens(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3_is",
-                      old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+                      proximal_logprobs: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) penalty [B, T] of the registered `estimator` (nats; with grad through
     logprobs; 0 at masked positions, which are never read). logprobs [B, T] float (with grad), ref_logprobs and
-    old_logprobs [B, T] (detached here; old_logprobs None = on-policy, old = logprobs.detach(), so r = 1).
+    proximal_logprobs [B, T] (detached here; proximal_logprobs None = on-policy, old = logprobs.detach(), so r = 1).
     Raises KeyError for an unknown estimator (the message lists the valid names)."""
     fn = KL_ESTIMATORS.get(estimator)
     mask = mask.bool()
     lp = select(logprobs, mask)
     ref = select(ref_logprobs.detach().to(lp.dtype), mask)
-    old = lp.detach() if old_logprobs is None else select(old_logprobs.detach().to(lp.dtype), mask)
+    old = lp.detach() if proximal_logprobs is None else select(proximal_logprobs.detach().to(lp.dtype), mask)
     return select(fn(lp, ref, old), mask)

@@ -1,7 +1,8 @@
-"""Policy losses. Shapes: logprobs, old_logprobs, mask, weights [B, T]; advantages [B] (one per sequence)
-or [B, T]. Log-probs: `logprobs` = log pi_theta (current, with grad); `old_logprobs` = the proximal policy
-(decoupled mode: the trainer at the sampling weights, pi_old; bypass mode: the engine's rollout_logprobs);
-`ref_logprobs` = a frozen reference policy. PPO ratio r = exp(logprobs - old_logprobs), log-ratio clamped to
+"""Policy losses. Shapes: logprobs, proximal_logprobs, mask, weights [B, T]; advantages [B] (one per sequence)
+or [B, T]. Log-probs: `logprobs` = log pi_theta (current, with grad); `proximal_logprobs` = the proximal policy
+pi_prox, chosen by ops/proximal.proximal_logprobs (decoupled mode: the trainer at the sampling weights, pi_old, or
+the EWMA / A-3PO proximal; bypass mode: the engine's rollout_logprobs); `ref_logprobs` = a frozen reference
+policy. PPO ratio r = exp(logprobs - proximal_logprobs), log-ratio clamped to
 +-20 nats. `weights` is the detached mismatch correction (ops/corrections.py).
 
 Every registered loss has one signature, (PolicyLossInput, PolicyLossParams) -> TokenLoss: a per-token loss
@@ -24,7 +25,7 @@ from nearpolicy.registry import Registry
 @dataclass(frozen=True)
 class PolicyLossInput:
     logprobs: torch.Tensor  # [B, T] float32, with grad: log pi_theta
-    old_logprobs: torch.Tensor  # [B, T] float32, detached: proximal log-probs (pi_old, or the engine's in bypass mode)
+    proximal_logprobs: torch.Tensor  # [B, T] float32, detached: pi_prox (ops/proximal.proximal_logprobs)
     advantages: torch.Tensor  # [B] or [B, T]
     mask: torch.Tensor  # [B, T] bool, True = valid response token
     token_denominator: torch.Tensor | float  # valid tokens in the whole accumulation group (>= 1)
@@ -58,7 +59,7 @@ class PolicyLossParams:
 @dataclass(frozen=True)
 class TokenLoss:
     """loss [B, T] (with grad, 0 at masked positions, mismatch weights applied); clipped, clipped_lower [B, T]
-    bool (token's ratio clipped by the trust region / by the dual clip); log_ratio [B, T] detached lp - old."""
+    bool (token's ratio clipped by the trust region / by the dual clip); log_ratio [B, T] detached lp - prox."""
 
     loss: torch.Tensor
     clipped: torch.Tensor
@@ -85,12 +86,12 @@ def _broadcast_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch
 
 
 def _prepare(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mask bool, logprobs, old, advantages), all selected so masked positions hold 0."""
+    """(mask bool, logprobs, prox, advantages), all selected so masked positions hold 0."""
     mask = inp.mask.bool()
     logprobs = select(inp.logprobs, mask)
-    old = select(inp.old_logprobs.detach(), mask)
+    prox = select(inp.proximal_logprobs.detach(), mask)
     adv = select(_broadcast_advantages(inp.advantages, logprobs).detach().to(logprobs.dtype), mask)
-    return mask, logprobs, old, adv
+    return mask, logprobs, prox, adv
 
 
 def _finish(inp: PolicyLossInput, mask: torch.Tensor, loss_tok: torch.Tensor, clipped: torch.Tensor,
@@ -104,8 +105,8 @@ def _finish(inp: PolicyLossInput, mask: torch.Tensor, loss_tok: torch.Tensor, cl
                         source="arXiv:1707.06347 eq. 7; dual clip arXiv:1912.09729 eq. 5; DAPO arXiv:2503.14476")
 def ppo_clip_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
     """L_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); for A < 0 also min(L_t, -A c); L_t *= w_t."""
-    mask, logprobs, old, adv = _prepare(inp)
-    log_ratio = logprobs - old
+    mask, logprobs, prox, adv = _prepare(inp)
+    log_ratio = logprobs - prox
     ratio = clamped_exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - params.clip_low, 1 + params.clip_high)
@@ -122,12 +123,12 @@ def ppo_clip_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss
                         "seq-mean-token-mean",
                         source="GSPO arXiv:2507.18071 (GSPO-token form); verl compute_policy_loss_gspo")
 def gspo_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
-    """log s_it = sg(mean_t m (lp - old)) + lp_t - sg(lp_t), clamped to [-20, gspo_log_ratio_max];
+    """log s_it = sg(mean_t m (lp - prox)) + lp_t - sg(lp_t), clamped to [-20, gspo_log_ratio_max];
     L_t = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)) * w_t. Value s_it = s_i (the sequence's
     geometric-mean ratio); its gradient is s_i * grad lp_t, so seq-mean-token-mean gives GSPO's gradient."""
-    mask, logprobs, old, adv = _prepare(inp)
+    mask, logprobs, prox, adv = _prepare(inp)
     n = mask.sum(-1, keepdim=True).clamp_min(1).to(logprobs.dtype)
-    log_seq = (masked_sum(logprobs - old, mask, dim=-1).unsqueeze(-1) / n).detach()
+    log_seq = (masked_sum(logprobs - prox, mask, dim=-1).unsqueeze(-1) / n).detach()
     log_tok = (log_seq + logprobs - logprobs.detach()).clamp(-SAFETY_BOUND, params.gspo_log_ratio_max)
     ratio = torch.exp(log_tok)
     unclipped = -adv * ratio
@@ -140,8 +141,8 @@ def gspo_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
                         source="CISPO, MiniMax-M1 arXiv:2506.13585; verl/TRL cispo loss")
 def cispo_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
     """L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * lp_t * w_t; every token keeps a gradient."""
-    mask, logprobs, old, adv = _prepare(inp)
-    log_ratio = logprobs - old
+    mask, logprobs, prox, adv = _prepare(inp)
+    log_ratio = logprobs - prox
     ratio = clamped_exp(log_ratio).detach()
     kept = ratio.clamp(1 - params.clip_low, 1 + params.clip_high)
     loss_tok = -kept * adv * logprobs
@@ -151,27 +152,27 @@ def cispo_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
 @POLICY_LOSSES.register("reinforce", summary="-A w logprobs (policy gradient, no ratio); bypass + IS weights",
                         source="Williams 1992; verl rollout-correction bypass loss_type=reinforce")
 def reinforce_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
-    """L_t = -A_t * lp_t * w_t (old_logprobs only feed the ppo_kl metric)."""
+    """L_t = -A_t * lp_t * w_t (proximal_logprobs only feed the ppo_kl metric)."""
     del params
-    mask, logprobs, old, adv = _prepare(inp)
+    mask, logprobs, prox, adv = _prepare(inp)
     zeros = torch.zeros_like(mask)
-    return _finish(inp, mask, -adv * logprobs, zeros, zeros, logprobs - old)
+    return _finish(inp, mask, -adv * logprobs, zeros, zeros, logprobs - prox)
 
 
-@POLICY_LOSSES.register("importance_sampling", summary="-exp(lp - old) A w, unclipped (Tinker's IS loss; OPD)",
+@POLICY_LOSSES.register("importance_sampling", summary="-exp(lp - prox) A w, unclipped (Tinker's IS loss; OPD)",
                         source="tinker-cookbook importance_sampling loss (docs/math.md sec. 15)")
 def importance_sampling_tokens(inp: PolicyLossInput, params: PolicyLossParams) -> TokenLoss:
     """L_t = -exp(clamp(lp_t - old_t, +-20)) * A_t * w_t."""
     del params
-    mask, logprobs, old, adv = _prepare(inp)
+    mask, logprobs, prox, adv = _prepare(inp)
     zeros = torch.zeros_like(mask)
-    return _finish(inp, mask, -clamped_exp(logprobs - old) * adv, zeros, zeros, logprobs - old)
+    return _finish(inp, mask, -clamped_exp(logprobs - prox) * adv, zeros, zeros, logprobs - prox)
 
 
 def _pnpo(inp: PolicyLossInput, params: PolicyLossParams, prefix_grad: bool) -> TokenLoss:
-    mask, logprobs, old, adv = _prepare(inp)
+    mask, logprobs, prox, adv = _prepare(inp)
     count = torch.cumsum(mask.to(logprobs.dtype), -1).clamp_min(1)
-    log_prefix = torch.cumsum(logprobs - old, -1) / count
+    log_prefix = torch.cumsum(logprobs - prox, -1) / count
     if not prefix_grad:
         log_prefix = log_prefix.detach() + logprobs - logprobs.detach()
     ratio = clamped_exp(log_prefix)
@@ -206,7 +207,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Registered loss `name`, plus kl_coef * KL(pi_theta || pi_ref) when inp.ref_logprobs is given and
     kl_coef > 0 (estimator params.kl_estimator of ops/kl.py, its importance ratio taken against
-    inp.old_logprobs; not multiplied by the mismatch weights), aggregated by `mode` over the global `denominator`
+    inp.proximal_logprobs; not multiplied by the mismatch weights), aggregated by `mode` over the global `denominator`
     (default inp.token_denominator, allowed for token-mean only; pass `masked.aggregation_denominator` of the
     whole accumulation group for the other modes). Returns (loss scalar with grad, detached metrics normalised by
     inp.token_denominator, so that summing them over micro-batches gives the accumulation-group mean).
@@ -223,7 +224,7 @@ def policy_loss(
     loss_tok = out.loss
     kl = None
     if inp.ref_logprobs is not None and params.kl_coef > 0:
-        kl = kl_penalty_tokens(inp.logprobs, inp.ref_logprobs, mask, params.kl_estimator, inp.old_logprobs)
+        kl = kl_penalty_tokens(inp.logprobs, inp.ref_logprobs, mask, params.kl_estimator, inp.proximal_logprobs)
         loss_tok = loss_tok + params.kl_coef * kl
     loss = aggregate(loss_tok, mask, mode, inp.token_denominator if denominator is None else denominator)
     tok = torch.as_tensor(inp.token_denominator, dtype=loss_tok.dtype).clamp_min(1)

@@ -1,10 +1,13 @@
-"""Proximal-policy approximations and mismatch-adaptive weights (pure tensor functions).
+"""The proximal policy of the loss, proximal-policy approximations and mismatch-adaptive weights (pure tensor
+functions).
 
 Log-probs, all [B, T] nats: `logprobs` = log pi_theta (current, with grad), `old_logprobs` = pi_old (trainer at
-the sampling weights, detached), `rollout_logprobs` = mu (the engine's), `prox_logprobs` = a proximal policy
-other than pi_old (EWMA weights, A-3PO interpolation). Discrepancy log-ratio log rho = old - rollout (same
-weights, different engines); lag log-ratio log r = logprobs - old (policy drift since sampling).
-Every returned weight is detached; every log-ratio is clamped to +-20 before exp. docs/math.md secs. 12-14.
+the sampling weights, detached), `rollout_logprobs` = mu (the engine's), `proximal_logprobs` = pi_prox, what the
+loss's ratio r = exp(logprobs - proximal_logprobs) is taken against: decided by `proximal_logprobs` below and
+nowhere else (pi_old, the EWMA policy, the A-3PO interpolation, or the engine's mu in bypass mode).
+Discrepancy log-ratio log rho = old - rollout (same weights, different engines); lag log-ratio
+log r = logprobs - old (policy drift since sampling). Every returned weight is detached; every log-ratio is
+clamped to +-20 before exp. docs/math.md secs. 12-14.
 """
 
 from __future__ import annotations
@@ -69,6 +72,71 @@ def a3po_proximal_logprobs(
     if kind == "linear":
         return torch.logaddexp(torch.log1p(-a) + mu, torch.log(a) + lp)
     raise ValueError(f"unknown A-3PO approximation {kind!r}; valid: loglinear, linear")
+
+
+def a3po_behaviour_proximal(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, has_rollout: torch.Tensor,
+    versions: torch.Tensor, version: int, kind: str = "loglinear",
+) -> torch.Tensor:
+    """A-3PO proximal log-probs [B, T] (detached): behaviour + alpha (sg(logprobs) - behaviour), alpha per token
+    = (v_prox - v_tok) / (v_theta - v_tok) with v_prox = version, v_theta = version + 1, clamped to [0, 1]
+    (A-3PO arXiv:2512.06547, AReaL prox_approx.md: v_prox = v_theta - 1). Behaviour log-probs: old_logprobs for
+    tokens of the trainer's current version (the trainer at exactly the weights that sampled them, so the
+    engine/trainer discrepancy stays in the mismatch weight), the engine's rollout_logprobs for stale tokens (no
+    trainer record of those weights survives). logprobs: current policy (grad ignored); old_logprobs: the trainer
+    at the weights of version `version`; rollout_logprobs: the engine's (NaN where missing, see has_rollout
+    [B, T] bool: old_logprobs there); versions [B, T] int64: version that generated each token (-1 at padding:
+    old_logprobs there). Staleness 0 everywhere (the synchronous trainer) gives old_logprobs exactly."""
+    fresh = (versions >= version) | (versions < 0)
+    known = has_rollout.bool() & ~fresh
+    behaviour = torch.where(known, rollout_logprobs.detach().nan_to_num(0.0), old_logprobs.detach())
+    alpha = torch.where(fresh, 0.0, a3po_alpha(versions, version, version + 1)).to(logprobs.dtype)
+    alpha = torch.where(known, alpha, torch.zeros_like(alpha))  # no engine record: exact old_logprobs
+    prox = a3po_proximal_logprobs(logprobs, behaviour, alpha, kind)
+    return torch.where(alpha > 0, prox, old_logprobs.detach())
+
+
+# -- the proximal policy of the loss: the one place it is decided ---------------------------------------------
+PROXIMALS = ("old", "ewma", "a3po")
+PROXIMAL_MODES = ("decoupled", "bypass")
+
+
+def proximal_logprobs(
+    kind: str, mode: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+    has_rollout: torch.Tensor, versions: torch.Tensor | None = None, version: int = 0,
+    ewma_logprobs: torch.Tensor | None = None, center: torch.Tensor | float = 0.0,
+) -> torch.Tensor:
+    """The proximal log-probs pi_prox [B, T] (nats, detached) of the loss: its ratio is exp(logprobs - prox) and,
+    in decoupled mode, the mismatch log-ratio is log rho = prox - rollout_logprobs (AReaL's pi_prox / pi_behav
+    weight, arXiv:2505.24298). docs/math.md sec. 12.
+
+      mode bypass     the engine's rollout_logprobs + `center` (the DLC centre, sec. 13; 0 without centring),
+                      with the decoupled proximal below where the engine gave none (has_rollout False: ratio 1)
+      mode decoupled, by `kind` (correction.proximal):
+        old   old_logprobs (the trainer at the sampling weights)
+        ewma  ewma_logprobs: the policy holding the bias-corrected EWMA of its weights (PPO-EWMA, Hilton et al.
+              arXiv:2110.00641; proximal_policy.EwmaPolicy); decay 0 gives old_logprobs exactly
+        a3po  `a3po_behaviour_proximal` from versions [B, T] and the trainer's `version` (no forward pass)
+
+    All log-prob inputs [B, T]; rollout_logprobs may hold NaN where has_rollout is False. Raises ValueError for
+    an unknown kind or mode, kind "ewma" without ewma_logprobs, or kind "a3po" without versions."""
+    if kind == "old":
+        prox = old_logprobs
+    elif kind == "ewma":
+        if ewma_logprobs is None:
+            raise ValueError("proximal policy 'ewma' needs ewma_logprobs (the EWMA policy's log-probs of the batch)")
+        prox = ewma_logprobs
+    elif kind == "a3po":
+        if versions is None:
+            raise ValueError("proximal policy 'a3po' needs the per-token versions")
+        prox = a3po_behaviour_proximal(logprobs, old_logprobs, rollout_logprobs, has_rollout, versions, version)
+    else:
+        raise ValueError(f"unknown proximal policy {kind!r}; valid: {', '.join(PROXIMALS)}")
+    if mode == "decoupled":
+        return prox.detach()
+    if mode == "bypass":
+        return torch.where(has_rollout.bool(), rollout_logprobs + center, prox).detach()
+    raise ValueError(f"unknown correction mode {mode!r}; valid: {', '.join(PROXIMAL_MODES)}")
 
 
 # -- DLC: discrepancy-lag correction (reconstruction; docs/math.md sec. 13) ----------------------------------

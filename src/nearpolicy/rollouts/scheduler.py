@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from nearpolicy.rollouts.types import SegmentResult
+
 
 @dataclass
 class SampleState:
@@ -58,18 +60,6 @@ class Segment:
     sample_indices: tuple[int, ...]
     version: int
     fresh: bool  # True: the whole group from its prompt (evaluate the prompt once, n = G)
-
-
-@dataclass(frozen=True)
-class SegmentResult:
-    """What an engine returns for one sample of a segment: the new tokens and how the segment ended."""
-
-    group_id: int
-    sample_index: int
-    version: int  # the segment's version (the engine's weights when it ran)
-    completion_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish: str  # "stop", "length" or "interrupted"
 
 
 class RolloutScheduler:

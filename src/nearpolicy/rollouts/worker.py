@@ -6,26 +6,11 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from nearpolicy.engines.llamacpp import EngineSpec
-from nearpolicy.scheduler import SegmentResult
+from nearpolicy.rollouts.types import SegmentJob, SegmentResult
 from nearpolicy.types import GenerationRequest, SamplingParams
-
-
-@dataclass(frozen=True)
-class SegmentJob:
-    """A scheduler Segment with what the engine needs: the prompt, each sample's tokens so far and the number of
-    tokens each may still generate."""
-
-    group_id: int
-    sample_indices: tuple[int, ...]
-    version: int
-    fresh: bool
-    prompt_ids: tuple[int, ...]
-    prefixes: tuple[tuple[int, ...], ...]  # per sample index, the completion ids generated so far
-    remaining: tuple[int, ...]  # per sample index
 
 
 class EngineWorker:

@@ -12,7 +12,8 @@ import threading
 import time
 from dataclasses import replace
 
-from nearpolicy.engines.worker import EngineSpec, EngineWorker, process_main
+from nearpolicy.engines.llamacpp import EngineSpec
+from nearpolicy.rollouts.worker import EngineWorker, process_main
 
 
 class LocalPool:

@@ -1,4 +1,4 @@
-"""The asynchronous rollout service: drives engine replicas (engine_pool.py) with the scheduler's segments while
+"""The asynchronous rollout service: drives engine replicas (rollouts/pool.py) with the scheduler's segments while
 the trainer updates, hands complete groups to the trainer, publishes new weights (interrupting in-flight
 decoding), and restarts a replica that dies, re-issuing its segments (no sample lost or trained twice)."""
 
@@ -11,8 +11,8 @@ from collections.abc import Callable
 import numpy as np
 
 from nearpolicy.engines.base import EngineError
-from nearpolicy.engines.worker import SegmentJob
-from nearpolicy.scheduler import GroupState, RolloutScheduler
+from nearpolicy.rollouts.scheduler import GroupState, RolloutScheduler
+from nearpolicy.rollouts.types import SegmentJob
 from nearpolicy.types import Rollout, SamplingParams
 
 

@@ -1,0 +1,90 @@
+"""The helpers of a training step that need no Trainer state: scoring response texts, distillation advantages,
+mismatch diagnostics, and the metrics of a step and of an evaluation (floats for the sinks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nearpolicy.batching import TokenBatch
+from nearpolicy.config import Config
+from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
+from nearpolicy.ops.distill import opd_advantages
+from nearpolicy.policy import recompute_logprobs
+from nearpolicy.tasks import Problem
+from nearpolicy.tasks.scoring import BoundedScorer, ScoreResult
+from nearpolicy.types import Rollout, SamplingParams
+from nearpolicy.update import UpdateResult
+
+
+def score_texts(scorer: BoundedScorer, tokenizer, completions: list[list[int]], problems: list[Problem], phase: str,
+                log=print) -> list[ScoreResult]:
+    """Score each response text only (never the prompt), in one batch, each call within task.reward_timeout_s:
+    NaN when the scorer raises or returns no number in [0, 1] (unscorable), 0 on a timeout. `phase` names the
+    step or eval in the warning that failed calls get."""
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+    results = scorer.score(list(zip(texts, problems)))
+    for status in ("error", "timeout"):
+        failed = [r for r in results if r.status == status]
+        if failed:
+            log(f"warning: {phase}: {len(failed)} of {len(results)} reward call(s) "
+                f"{'unscorable' if status == 'error' else 'timed out'}, e.g. {failed[0].message}")
+    return results
+
+
+def distill_advantages(cfg: Config, teacher: torch.nn.Module, batch: TokenBatch, task_advantages: torch.Tensor,
+                       sampling: SamplingParams) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token advantages [B, T]: on-policy distillation from the engine's log-probs of its own samples and the
+    teacher's, both under the same sampling transform (so the reverse KL compares like with like when T != 1
+    or top-k / top-p are on), plus distill.reward_weight x the task advantage [B]."""
+    d = cfg.distill
+    teacher_logprobs = recompute_logprobs(teacher, batch, sampling, cfg.algorithm.micro_batch_size)[0]
+    defined = batch.mask & batch.has_rollout
+    token_adv, metrics = opd_advantages(batch.rollout_logprobs, teacher_logprobs, defined, d.coef, d.discount)
+    total = token_adv + d.reward_weight * task_advantages[:, None]
+    return total.float(), {"distill/teacher_kl": float(metrics["teacher_kl"])}
+
+
+def mismatch_diagnostics(update: UpdateResult, batch: TokenBatch, defined: torch.Tensor) -> dict[str, float]:
+    """mismatch/*: trainer (old_logprobs) vs engine (rollout_logprobs) over the defined tokens [B, T], and its
+    decomposition into numerical discrepancy and policy lag (docs/math.md sec. 17)."""
+    out = mismatch_metrics(update.old_logprobs, batch.rollout_logprobs, defined)
+    out |= mismatch_decomposition(update.logprobs, update.old_logprobs, batch.rollout_logprobs, defined)
+    return {f"mismatch/{k}": float(v) for k, v in out.items()}
+
+
+def reward_stats(rewards: torch.Tensor) -> dict[str, float]:
+    """reward/mean and reward/std over the scorable (finite) rewards [N]; NaN when none is scorable."""
+    scorable = rewards[torch.isfinite(rewards)]
+    mean = float(scorable.mean()) if scorable.numel() else float("nan")
+    return {"reward/mean": mean, "reward/std": float(scorable.std()) if scorable.numel() > 1 else 0.0}
+
+
+def step_metrics(rewards: torch.Tensor, rollouts: list[Rollout], batch: TokenBatch, update: UpdateResult,
+                 times: dict[str, float]) -> dict[str, float]:
+    """Rewards, response lengths, entropy, the update's metrics, phase times and throughputs of one step."""
+    lengths = batch.mask.sum(1).float()
+    return {
+        **reward_stats(rewards),
+        "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+        "response/frac_truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+        "entropy": float(update.entropy[batch.mask].mean()),
+        **update.metrics, **times,
+        "throughput/rollout_tokens_per_s": float(batch.mask.sum()) / max(times["time/rollout"], 1e-9),
+        "throughput/train_tokens_per_s": float(batch.attention_mask.sum()) / max(times["time/update"], 1e-9),
+    }
+
+
+def eval_metrics(results: list[ScoreResult], completions: list[list[int]]) -> dict[str, float]:
+    """eval/accuracy over the scorable answers (a timeout counts as wrong), eval/unscorable, eval/response_length."""
+    scores = np.array([r.reward for r in results], dtype=float)
+    scorable = scores[np.isfinite(scores)]
+    return {"eval/accuracy": float(scorable.mean()) if scorable.size else float("nan"),
+            "eval/unscorable": float(scores.size - scorable.size),
+            "eval/response_length": float(np.mean([len(c) for c in completions]))}
+
+
+def progress_postfix(metrics: dict[str, float]) -> dict[str, str]:
+    """The progress bar's figures of a step: reward, k3 mismatch and eval accuracy (nan when not measured)."""
+    return dict(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
+                acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")

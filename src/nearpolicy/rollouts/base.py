@@ -1,0 +1,64 @@
+"""The seam between the trainer and wherever a step's samples come from.
+
+A `RolloutSource` hands the trainer complete groups for each step, takes each new version of the weights, reports
+its own metrics, keeps what a checkpoint needs to restart it, and owns the in-process engine the trainer
+evaluates with. Two implementations: `rollouts.inline.InlineRollouts` (synchronous: the engine samples the step's
+groups with the current weights) and `rollouts.replicas.ReplicaRollouts` (asynchronous: engine replicas, local
+processes or Ray actors, sample with bounded staleness while the trainer updates). setup.py builds either and the
+Trainer only speaks this protocol. A new rollout kind (multi-turn, a remote server) plugs in by implementing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from nearpolicy.engines.base import RolloutEngine
+from nearpolicy.tasks import Problem
+from nearpolicy.types import Rollout
+
+
+@dataclass
+class StepSamples:
+    """One training step's samples: the rollouts (complete groups), each group's problem by group id (= its data
+    position), the source's metrics of this collection, and the data position after these groups (what a
+    completed step records)."""
+
+    rollouts: list[Rollout]
+    problems: dict[int, Problem]
+    next_position: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutSource(Protocol):
+    def start(self, version: int, data_position: int, state: dict | None) -> None:
+        """Begin at policy `version` (the trainer's weights now: pushed to any engine that holds another version)
+        and data position, with the `state_dict` a checkpoint kept (None for a fresh run)."""
+        ...
+
+    def collect(self, step: int, version: int, data_position: int) -> StepSamples:
+        """The samples of step `step` + 1 for the trainer at `version`, starting at `data_position`."""
+        ...
+
+    def step_metrics(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined: torch.Tensor,
+                     versions: torch.Tensor, version: int) -> dict[str, float]:
+        """After the update, before `publish`: the source's metrics of the trained batch ([B, T] trainer old
+        log-probs, engine log-probs, defined mask and token versions) and of its own work since the last call."""
+        ...
+
+    def publish(self, version: int) -> None:
+        """The trainer's current weights are `version`: hand them to the engines."""
+        ...
+
+    def eval_engine(self) -> RolloutEngine:
+        """The in-process engine, holding the newest published weights (greedy evaluation)."""
+        ...
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps to restart the source (None: nothing)."""
+        ...
+
+    def close(self) -> None:
+        """Stop every engine the source started; safe to call twice."""
+        ...

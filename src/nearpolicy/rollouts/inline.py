@@ -1,0 +1,53 @@
+"""Synchronous rollouts: each step the in-process engine samples the step's groups with the trainer's current
+weights (exported at the rollout precision), so every difference between rollout_logprobs and old_logprobs is
+numerical mismatch, not policy lag."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from nearpolicy.engines.base import RolloutEngine
+from nearpolicy.rollouts.base import StepSamples
+from nearpolicy.tasks import Problem, Task
+from nearpolicy.types import GenerationRequest, SamplingParams
+
+
+class InlineRollouts:
+    """`engine` samples group_size completions of prompts_per_step problems per step; `weights()` gives what
+    `engine.update_weights` loads (a freshly exported GGUF path, or a state dict); `prompt_ids` templates a
+    problem. Seeds: SeedSequence([seed, step]), so a resumed run samples what the uninterrupted one did."""
+
+    def __init__(self, engine: RolloutEngine, weights: Callable[[], object], task: Task,
+                 prompt_ids: Callable[[Problem], list[int]], sampling: SamplingParams, group_size: int,
+                 prompts_per_step: int, seed: int):
+        self.engine, self.weights, self.task, self.prompt_ids = engine, weights, task, prompt_ids
+        self.sampling, self.group_size, self.prompts_per_step, self.seed = sampling, group_size, prompts_per_step, seed
+
+    def start(self, version: int, data_position: int, state: dict | None) -> None:
+        if self.engine.version != version:  # resumed weights
+            self.publish(version)
+
+    def collect(self, step: int, version: int, data_position: int) -> StepSamples:
+        problems = {data_position + i: self.task.train_problem(data_position + i) for i in range(self.prompts_per_step)}
+        requests = [GenerationRequest(gid, tuple(self.prompt_ids(p)), self.group_size) for gid, p in problems.items()]
+        seed = int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0])
+        return StepSamples(self.engine.generate(requests, self.sampling, seed), problems, data_position + len(problems))
+
+    def step_metrics(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined: torch.Tensor,
+                     versions: torch.Tensor, version: int) -> dict[str, float]:
+        return {}
+
+    def publish(self, version: int) -> None:
+        self.engine.update_weights(self.weights(), version)
+
+    def eval_engine(self) -> RolloutEngine:
+        return self.engine
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,114 @@
+"""Asynchronous rollouts (`rollout.engines >= 1`): engine replicas (local processes or Ray actors) sample with
+bounded staleness while the trainer updates; each step takes a batch of complete groups, each update publishes a
+versioned GGUF that interrupts and refreshes the replicas. With `rollout.engines = 0` (the default) none of this
+runs and rollouts/inline.py samples synchronously. The in-process engine only evaluates here; it is refreshed to
+the newest published weights before each evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from nearpolicy.config import Config
+from nearpolicy.engines.base import RolloutEngine
+from nearpolicy.engines.llamacpp import EngineSpec
+from nearpolicy.ops.diagnostics import lag_ess, mismatch_metrics
+from nearpolicy.rollouts.base import StepSamples
+from nearpolicy.rollouts.pool import LocalPool, RayPool
+from nearpolicy.rollouts.scheduler import RolloutScheduler, staleness_metrics
+from nearpolicy.rollouts.service import RolloutService, groups_to_rollouts
+from nearpolicy.tasks import Problem, Task
+from nearpolicy.types import SamplingParams
+
+
+class ReplicaRollouts:
+    """`export(folder)` writes the trainer's current weights as a GGUF in `folder` and returns its path;
+    `spec_for(path, version)` is the replicas' EngineSpec over it; `engine` is the in-process engine (evaluation).
+    Replicas start in `start` (after a resume has loaded the weights and the scheduler state)."""
+
+    def __init__(self, cfg: Config, engine: RolloutEngine, export: Callable[[Path], Path], folder: Path,
+                 spec_for: Callable[[Path, int], EngineSpec], task: Task, prompt_ids: Callable[[Problem], list[int]],
+                 sampling: SamplingParams, log=print):
+        self.cfg, self.engine, self.export, self.folder, self.spec_for = cfg, engine, export, folder, spec_for
+        self.task, self.prompt_ids, self.sampling, self.log = task, prompt_ids, sampling, log
+        self._prompts: dict[int, tuple[int, ...]] = {}
+        self.fresh_only = False  # DLC: the next batch must come from the newest weights
+        self.sched: RolloutScheduler | None = None
+        self.service: RolloutService | None = None
+        self.latest: Path | None = None
+        self.version = 0
+
+    def start(self, version: int, data_position: int, state: dict | None) -> None:
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        self.sched = RolloutScheduler(a.group_size, a.prompts_per_step, r.staleness, self.sampling.max_new_tokens,
+                                      partial=r.partial, overprovision=r.overprovision, next_group_id=data_position)
+        self.sched.version = version
+        if state is not None:
+            self.sched.load_state_dict(state)
+        path = self._export(version)
+        spec = self.spec_for(path, version)
+        pool = LocalPool(spec, r.engines) if r.backend == "local" else RayPool(spec, r.engines, r.ray_address)
+        self.service = RolloutService(self.sched, pool, self.prompt_of, self.sampling, self.cfg.run.seed,
+                                      self.cfg.engine.max_parallel_sequences, str(path), self.log)
+        self.log(f"async rollouts: {r.engines} {r.backend} engine replica(s), staleness {r.staleness}, "
+                 f"partial rollouts {'on' if r.partial else 'off'}, over-provision {r.overprovision} group(s)")
+
+    def prompt_of(self, group_id: int) -> tuple[int, ...]:
+        if group_id not in self._prompts:
+            self._prompts[group_id] = tuple(self.prompt_ids(self.task.train_problem(group_id)))
+        return self._prompts[group_id]
+
+    def collect(self, step: int, version: int, data_position: int) -> StepSamples:
+        """One training batch of complete groups with the staleness metrics of its tokens (the data position
+        after it: the scheduler's next new group)."""
+        groups = self.service.next_batch(self.fresh_only)
+        rollouts = groups_to_rollouts(groups, self.prompt_of)
+        problems = {g.group_id: self.task.train_problem(g.group_id) for g in groups}
+        for gid in problems:
+            self._prompts.pop(gid, None)
+        metrics = staleness_metrics(groups, version) | {"staleness/fresh_only": float(self.fresh_only)}
+        return StepSamples(rollouts, problems, self.sched.next_group_id, metrics)
+
+    def step_metrics(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined: torch.Tensor,
+                     versions: torch.Tensor, version: int) -> dict[str, float]:
+        """DLC's resync check (the lag ESS of the stale tokens below rollout.resync_ess: the next batch comes
+        from the newest weights only), the k3 of fresh (numerical discrepancy only) and stale tokens, and the
+        service's counters since the last call."""
+        ess = float(lag_ess(old_logprobs, rollout_logprobs, defined, versions, version))
+        self.fresh_only = ess < self.cfg.rollout.resync_ess
+        fresh = defined & (versions == version)
+        split = {"fresh": fresh, "stale": defined & ~fresh}  # stale: discrepancy + version lag
+        return {"staleness/lag_ess": ess, "staleness/resync": float(self.fresh_only),
+                **{f"mismatch/{k}_k3": float(mismatch_metrics(old_logprobs, rollout_logprobs, m)["k3"])
+                   for k, m in split.items()}, **self.service.take_counters()}
+
+    def publish(self, version: int) -> None:
+        """Export the trainer's weights as version `version` and hand them to the replicas."""
+        path = self._export(version)
+        self.service.publish(str(path), version)
+        for old in self.folder.glob("policy-v*.gguf"):  # replicas that still load an older one hold it open
+            if old != path and int(old.stem.split("-v")[1]) < version - 2:
+                old.unlink(missing_ok=True)
+
+    def _export(self, version: int) -> Path:
+        path = self.export(self.folder)
+        versioned = path.with_name(f"policy-v{version}.gguf")
+        path.replace(versioned)
+        self.latest, self.version = versioned, version
+        return versioned
+
+    def eval_engine(self) -> RolloutEngine:
+        if self.engine.version != self.version:  # the replicas got every update, this engine did not
+            self.engine.update_weights(self.latest, self.version)
+        return self.engine
+
+    def state_dict(self) -> dict | None:
+        return self.sched.state_dict()
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
+            self.service = None
+        self.engine.close()
