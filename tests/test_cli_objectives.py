@@ -1,5 +1,5 @@
-"""A 3-step `nearpolicy train` through the real CLI for each family of corrections, losses and advantages
-(issue 3), on the tiny model with a q4_0 engine so that the mismatch is real."""
+"""A 3-step `nearpolicy train` through the real CLI for a few families of corrections, losses and advantages, on
+the tiny model with a q4_0 llama.cpp engine so that the mismatch is real (end-to-end smokes)."""
 
 from __future__ import annotations
 
@@ -12,26 +12,12 @@ from test_cli import _base, _metrics, _train
 
 pytestmark = pytest.mark.slow
 
+# End-to-end smokes through the real CLI and llama.cpp; every registered correction, loss, advantage and KL
+# estimator also runs in process with a known mismatch (test_trainer_families.py), which is where the per-family
+# checks live.
 FAMILIES = {
     "token-tis": ["correction.preset=tis"],
-    "token-mis": ["correction.preset=token_mis"],
-    "icepop": ["correction.preset=icepop"],
-    "sequence-tis": ["correction.preset=seq_tis", "algorithm.aggregation='seq-mean-token-mean'"],
-    "geometric-rs": ["correction.preset=geo_rs_token_tis"],
-    "seq-mask-tis": ["correction.preset=seq_mask_tis"],
-    "k3-rejection": ["correction.preset=k3_rs_token_tis"],
-    "token-veto": ["correction.preset=token_tis_veto"],
-    "prefix-minpro": ["correction.preset=minpro"],
-    "prefix-pnpo-loss": ["algorithm.loss=pnpo", "correction.preset=off"],
-    "bypass-ppo": ["correction.preset=bypass_ppo_clip_geo_rs"],
-    "bypass-reinforce": ["correction.preset=bypass_pg_is", "algorithm.loss=reinforce"],
-    "decoupled-dlc-ais": ["correction.preset=token_is", "correction.center=log_mean", "correction.adaptive_mix=ais"],
-    "gspo-cispo-style": ["algorithm.loss=gspo", "algorithm.aggregation='seq-mean-token-mean'", "algorithm.clip_low=3e-4",
-                         "algorithm.clip_high=4e-4"],
-    "cispo": ["algorithm.loss=cispo"],
-    "self-normalised-is": ["correction.preset=tis_snis"],
     "ewma-proximal": ["correction.preset=tis", "correction.proximal=ewma", "correction.ewma_decay=0.5"],
-    "a3po-proximal": ["correction.preset=tis", "correction.proximal=a3po", "algorithm.minibatches=2"],
     "mc-grpo-kl-sumnorm": ["algorithm.advantage=mc_grpo", "algorithm.group_size=3", "algorithm.kl_coef=0.01",
                            "algorithm.aggregation='seq-mean-token-sum-norm'", "algorithm.minibatches=3",
                            "algorithm.micro_batch_size=1"],
@@ -66,11 +52,6 @@ def test_three_step_run_per_family(tiny_gguf_factory, tmp_path, family):
         assert row["mismatch/k3"] > 0  # q4_0 engine vs fp32 trainer: a real mismatch was measured
     plan = json.loads((tmp_path / family / "plan.json").read_text())
     assert "CorrectionSpec" in plan["correction"]
-    if family == "decoupled-dlc-ais":
-        assert 0 <= rows[1]["ais/lambda"] <= 1 and "correction/dlc_center" in rows[1]
-    if family == "self-normalised-is":
-        assert all(row["correction/weight_mean"] == pytest.approx(1.0, rel=1e-4) for row in rows[1:])
-        assert all(row["correction/sn_factor"] > 0 for row in rows[1:])
     if family == "ewma-proximal":  # 3 steps of one optimizer step each: W = 1 + 0.5 + 0.25 + 0.125
         from safetensors.torch import load_file
 
