@@ -19,7 +19,7 @@ DEFAULT_DTYPE = torch.float64
 def test_grpo_matches_hand_computed_values():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 3.0])
     groups = torch.tensor([7, 7, 7, 7, 2, 2])
-    adv = grpo_advantages(rewards, groups)
+    adv = grpo_advantages(rewards, groups).advantages
     std4 = math.sqrt(((0.5**2) * 4) / 3)  # unbiased std of [1, 0, 0, 1]
     expected = [0.5 / std4, -0.5 / std4, -0.5 / std4, 0.5 / std4, 1 / math.sqrt(2), -1 / math.sqrt(2)]
     assert torch.allclose(adv, torch.tensor(expected), atol=1e-12)
@@ -28,7 +28,7 @@ def test_grpo_matches_hand_computed_values():
 def test_group_normalisation_is_per_group_id_not_positional():
     rewards = torch.tensor([1.0, 5.0, 0.0, 3.0])
     groups = torch.tensor([0, 1, 0, 1])  # interleaved groups
-    adv = grpo_advantages(rewards, groups)
+    adv = grpo_advantages(rewards, groups).advantages
     assert torch.allclose(adv, torch.tensor([1, 1, -1, -1]) / math.sqrt(2), atol=1e-12)
 
 
@@ -36,7 +36,8 @@ def test_group_normalisation_is_per_group_id_not_positional():
 def test_degenerate_groups_give_finite_zeros(name):
     rewards = torch.tensor([2.0, 2.0, 2.0, 7.0, float("nan"), 1.0, 0.0])
     groups = torch.tensor([0, 0, 0, 1, 2, 2, 2])  # constant, singleton, one unscorable member
-    adv = ADVANTAGES.get(name)(rewards, groups)
+    out = ADVANTAGES.get(name)(rewards, groups)
+    adv = out.advantages
     assert torch.isfinite(adv).all()
     assert adv[4] == 0  # unscorable
     if name != "reinforce":
@@ -44,7 +45,7 @@ def test_degenerate_groups_give_finite_zeros(name):
 
 
 def test_unscorable_member_is_left_out_of_its_group_statistics():
-    adv = rloo_advantages(torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([0, 0, 0]))
+    adv = rloo_advantages(torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([0, 0, 0])).advantages
     assert torch.allclose(adv, torch.tensor([1.0, 0.0, -1.0]), atol=1e-12)
 
 
