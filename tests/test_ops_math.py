@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from nearpolicy.ops.advantages import ADVANTAGES, grpo_advantages, rloo_advantages
-from nearpolicy.ops.corrections import TokenCorrection, token_correction_weights
+from nearpolicy.ops.corrections import CorrectionSpec, mismatch_correction
 from nearpolicy.ops.diagnostics import mismatch_metrics
-from nearpolicy.ops.losses import PolicyLossInput, ppo_clip_loss
+from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
 DEFAULT_DTYPE = torch.float64
@@ -54,7 +54,11 @@ def test_unknown_estimator_lists_valid_names():
         ADVANTAGES.get("nope")
 
 
-# -- PPO-clip -----------------------------------------------------------------------------------
+# -- PPO-clip (the registered loss the trainer calls) ---------------------------------------------
+def ppo_clip_loss(inp, clip_low=0.2, clip_high=0.28, dual_clip=3.0):
+    return policy_loss("ppo_clip", inp, PolicyLossParams(clip_low, clip_high, dual_clip))
+
+
 def _loop_reference(lp, old, adv, mask, eps_low, eps_high, c, weights):
     total, n = 0.0, 0
     for i in range(lp.shape[0]):
@@ -145,16 +149,23 @@ def test_ppo_clip_gradcheck():
 def test_dual_clip_must_exceed_one():
     lp, old, adv, mask, _ = _random_case()
     with pytest.raises(ValueError, match="dual_clip"):
-        ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, 1), dual_clip=0.5)
+        ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, 1), dual_clip=0.5)  # PolicyLossParams refuses it
 
 
-# -- TIS / corrections (invariants 5, 11) ---------------------------------------------------------
+# -- TIS / corrections (invariants 5, 11), through update.py's entry point ------------------------
+def token_correction_weights(old, rollout, mask, has, action, lower=0.0, upper=math.inf):
+    """Decoupled token-level weights and metrics: mismatch_correction with proximal = old (correction.proximal
+    = "old"); the current log-probs are not read in decoupled mode."""
+    result = mismatch_correction(CorrectionSpec("token", action, lower, upper), None, old, rollout, mask, has)
+    return result.weights, result.metrics
+
+
 def test_tis_weights_truncate_at_cap_and_missing_logprob_gives_exactly_one():
     old = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.2), 0.0]])
     rollout = torch.tensor([[math.log(0.1), math.log(0.9), math.log(0.4), float("nan")]])
     mask = torch.tensor([[True, True, True, True]])
     has = torch.tensor([[True, True, True, False]])
-    w, metrics = token_correction_weights(old, rollout, mask, has, TokenCorrection("truncate", 0.0, 2.0))
+    w, metrics = token_correction_weights(old, rollout, mask, has, "truncate", 0.0, 2.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.5, 1.0]]), atol=1e-12)
     assert metrics["correction/frac_high"].item() == pytest.approx(1 / 3)
 
@@ -163,14 +174,14 @@ def test_correction_weights_are_detached_and_use_old_not_current_logprobs():
     old = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     rollout = torch.tensor([[-1.5, -2.0]])
     w, _ = token_correction_weights(old, rollout, torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2, dtype=torch.bool),
-                                    TokenCorrection("none"))
+                                    "none")
     assert not w.requires_grad
     assert torch.allclose(w, torch.tensor([[math.exp(0.5), 1.0]]))
 
 
 def test_all_ratios_one_means_tis_equals_uncorrected_loss():
     lp, old, adv, mask, _ = _random_case(6)
-    w, _ = token_correction_weights(old, old.clone(), mask, mask, TokenCorrection("truncate", 0.0, 2.0))
+    w, _ = token_correction_weights(old, old.clone(), mask, mask, "truncate", 0.0, 2.0)
     a, _ = ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, mask.sum(), w))
     b, _ = ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, mask.sum()))
     assert a.item() == b.item()
@@ -179,8 +190,8 @@ def test_all_ratios_one_means_tis_equals_uncorrected_loss():
 def test_infinite_bounds_are_plain_importance_sampling():
     lp, old, adv, mask, _ = _random_case(7)
     rollout = old + 0.3
-    trunc, _ = token_correction_weights(old, rollout, mask, mask, TokenCorrection("truncate", 0.0, math.inf))
-    plain, _ = token_correction_weights(old, rollout, mask, mask, TokenCorrection("none"))
+    trunc, _ = token_correction_weights(old, rollout, mask, mask, "truncate", 0.0, math.inf)
+    plain, _ = token_correction_weights(old, rollout, mask, mask, "none")
     assert torch.equal(trunc, plain)
 
 
@@ -188,7 +199,7 @@ def test_mask_action_zeroes_out_of_bounds_tokens():
     old = torch.tensor([[0.0, 0.0, 0.0]])
     rollout = torch.tensor([[math.log(4.0), 0.0, -math.log(3.0)]])  # ratios 0.25, 1, 3
     one = torch.ones(1, 3, dtype=torch.bool)
-    w, _ = token_correction_weights(old, rollout, one, one, TokenCorrection("mask", 0.5, 2.0))
+    w, _ = token_correction_weights(old, rollout, one, one, "mask", 0.5, 2.0)
     assert torch.allclose(w, torch.tensor([[0.0, 1.0, 0.0]]))
 
 
