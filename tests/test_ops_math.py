@@ -22,14 +22,14 @@ def test_grpo_matches_hand_computed_values():
     adv = grpo_advantages(rewards, groups).advantages
     std4 = math.sqrt(((0.5**2) * 4) / 3)  # unbiased std of [1, 0, 0, 1]
     expected = [0.5 / std4, -0.5 / std4, -0.5 / std4, 0.5 / std4, 1 / math.sqrt(2), -1 / math.sqrt(2)]
-    assert torch.allclose(adv, torch.tensor(expected), atol=1e-12)
+    assert torch.allclose(adv, torch.tensor(expected), rtol=0, atol=1e-12)
 
 
 def test_group_normalisation_is_per_group_id_not_positional():
     rewards = torch.tensor([1.0, 5.0, 0.0, 3.0])
     groups = torch.tensor([0, 1, 0, 1])  # interleaved groups
     adv = grpo_advantages(rewards, groups).advantages
-    assert torch.allclose(adv, torch.tensor([1, 1, -1, -1]) / math.sqrt(2), atol=1e-12)
+    assert torch.allclose(adv, torch.tensor([1, 1, -1, -1]) / math.sqrt(2), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ADVANTAGES.names())
@@ -46,7 +46,7 @@ def test_degenerate_groups_give_finite_zeros(name):
 
 def test_unscorable_member_is_left_out_of_its_group_statistics():
     adv = rloo_advantages(torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([0, 0, 0])).advantages
-    assert torch.allclose(adv, torch.tensor([1.0, 0.0, -1.0]), atol=1e-12)
+    assert torch.allclose(adv, torch.tensor([1.0, 0.0, -1.0]), rtol=0, atol=1e-12)
 
 
 def test_unknown_estimator_lists_valid_names():
@@ -118,7 +118,7 @@ def test_micro_batch_split_leaves_loss_and_gradient_unchanged():
         total = total + part
     (g_split,) = torch.autograd.grad(total, lp)
     assert total.item() == pytest.approx(full.item(), rel=1e-12)
-    assert torch.allclose(g_split, g_full, atol=1e-15)
+    assert torch.allclose(g_split, g_full, rtol=0, atol=1e-15)
 
 
 def test_extra_padding_columns_leave_loss_unchanged():
@@ -135,7 +135,7 @@ def test_on_policy_ratio_is_one_and_gradient_is_plain_policy_gradient():
     loss, metrics = ppo_clip_loss(PolicyLossInput(lp, lp.detach(), adv, mask, mask.sum()))
     (grad,) = torch.autograd.grad(loss, lp)
     expected = torch.where(mask, -adv[:, None].expand_as(lp) / mask.sum(), torch.zeros_like(lp))
-    assert torch.allclose(grad, expected, atol=1e-15)
+    assert torch.allclose(grad, expected, rtol=0, atol=1e-15)
     assert metrics["pg_clipfrac"].item() == 0 and metrics["ppo_kl"].item() == 0
 
 
@@ -166,7 +166,7 @@ def test_tis_weights_truncate_at_cap_and_missing_logprob_gives_exactly_one():
     mask = torch.tensor([[True, True, True, True]])
     has = torch.tensor([[True, True, True, False]])
     w, metrics = token_correction_weights(old, rollout, mask, has, "truncate", 0.0, 2.0)
-    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.5, 1.0]]), atol=1e-12)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.5, 1.0]]), rtol=0, atol=1e-12)
     assert metrics["correction/frac_high"].item() == pytest.approx(1 / 3)
 
 
@@ -176,7 +176,7 @@ def test_correction_weights_are_detached_and_use_old_not_current_logprobs():
     w, _ = token_correction_weights(old, rollout, torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2, dtype=torch.bool),
                                     "none")
     assert not w.requires_grad
-    assert torch.allclose(w, torch.tensor([[math.exp(0.5), 1.0]]))
+    assert torch.allclose(w, torch.tensor([[math.exp(0.5), 1.0]]), rtol=1e-15, atol=0)
 
 
 def test_all_ratios_one_means_tis_equals_uncorrected_loss():
@@ -200,7 +200,7 @@ def test_mask_action_zeroes_out_of_bounds_tokens():
     rollout = torch.tensor([[math.log(4.0), 0.0, -math.log(3.0)]])  # ratios 0.25, 1, 3
     one = torch.ones(1, 3, dtype=torch.bool)
     w, _ = token_correction_weights(old, rollout, one, one, "mask", 0.5, 2.0)
-    assert torch.allclose(w, torch.tensor([[0.0, 1.0, 0.0]]))
+    assert torch.equal(w, torch.tensor([[0.0, 1.0, 0.0]]))
 
 
 # -- diagnostics ----------------------------------------------------------------------------------
