@@ -1,4 +1,5 @@
-# `make train` runs the main job on the embedded defaults; `make test` runs the test suite;
+# `make train` runs the main job on the embedded defaults; `make test` runs the test suite (`make test-fast`: the
+# inner loop, without the slow tests);
 # `make bench` writes docs/benchmarks.md (bench/run_all.py; TRL in .venv-bench);
 # `make report` writes RUN's HTML report (default: the main job's run folder) to RUN/report.html.
 # All create the virtual environment first (once; re-run only when pyproject.toml changes).
@@ -22,7 +23,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 LLAMA_WHEELS := $(HOME)/.cache/nearpolicy/llama-cpp-python-$(LLAMA_CPP_PYTHON)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)
 
-.PHONY: setup train test bench report diagnose doctor llama-wheel
+.PHONY: setup train test test-fast bench report diagnose doctor llama-wheel
 setup: $(STAMP)
 
 llama-wheel:
@@ -48,6 +49,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# the inner loop (under 3 minutes on 2 cores): everything but the `slow` tests (real-CLI runs, real-engine smokes,
+# anything over ~10 s) and the in-process trainer-family matrix (tests/test_trainer_families.py); `make test` runs all
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_trainer_families.py $(ARGS)
 
 # what a bug report needs: CPU flags, llama.cpp features and startup probes, torch GEMM speed, disk, Chromium
 doctor: $(STAMP)

@@ -25,6 +25,7 @@ def _cfg(model_dir: Path, *extra: str):
                               "task.train_size=50", "task.eval_size=4", *extra])
 
 
+@pytest.mark.slow  # over 10 s on 2 cores
 def test_f32_admitted_near_zero_and_perturbed_engine_rejected(tiny_model_dir, tmp_path, monkeypatch):
     real = measure.engine_state_dict
 
@@ -76,6 +77,7 @@ def damaged_model_dir(tiny_model_dir, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # over 10 s on 2 cores
 def test_sensitivity_scan_ranks_the_damaged_block_first(damaged_model_dir, tmp_path):
     settings = DiagnoseSettings(candidates=["llamacpp:f32"], prompts=2, group_size=2, out=tmp_path / "scan",
                                 sensitivity=["q8_0"], progress=False)

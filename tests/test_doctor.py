@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nearpolicy.doctor import Check, cpu_facts, doctor
 
 XEON = """processor\t: 0
@@ -24,6 +26,7 @@ def test_a_failed_optional_check_warns_and_a_failed_required_one_fails():
     assert Check("llama-cpp-python", "missing", ok=False).line().startswith("[FAIL] llama-cpp-python")
 
 
+@pytest.mark.slow  # engine probes in child processes: about 20 s on 2 cores
 def test_doctor_reports_this_machine_and_probes_the_engine_in_child_processes(tmp_path):
     lines: list[str] = []
     code = doctor(tmp_path, probe=True, echo=lines.append)

@@ -58,7 +58,7 @@ def test_rollout_logprob_is_looked_up_by_the_sampled_id(tiny_gguf_factory):
     rollout = engine.generate([GenerationRequest(0, PROMPTS[0], 1)], sampling, seed=0)[0]
     scored = engine.score(rollout.prompt_ids, rollout.completion_ids, sampling)
     engine.close()
-    assert np.allclose(scored, rollout.rollout_logprobs, atol=F32_BOUND)
+    assert np.allclose(scored, rollout.rollout_logprobs, rtol=0, atol=F32_BOUND)
 
 
 def test_group_shares_the_prompt_and_rollouts_carry_exact_metadata(tiny_gguf_factory):
@@ -177,4 +177,4 @@ def test_hf_engine_logprobs_match_the_trainer(tiny_policy, dtype, bound):
         assert diff.max().item() > 1e-3
     scored = engine.score(rollouts[0].prompt_ids, rollouts[0].completion_ids, sampling)
     # bf16: the cached decode and the one-pass forward round differently (measured up to 0.04 nats)
-    assert np.allclose(scored, rollouts[0].rollout_logprobs, atol=0.1 if dtype == "bf16" else 5e-5)
+    assert np.allclose(scored, rollouts[0].rollout_logprobs, rtol=0, atol=0.1 if dtype == "bf16" else 5e-5)

@@ -7,7 +7,7 @@ import torch
 
 from nearpolicy.ops.kl import KL_ESTIMATORS
 from nearpolicy.ops.losses import (POLICY_LOSSES, PolicyLossInput, PolicyLossParams, kl_penalty_tokens, policy_loss,
-                                   ppo_clip_loss, required_aggregation)
+                                   required_aggregation)
 from nearpolicy.ops.masked import AGGREGATIONS, aggregate, aggregation_denominator
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
@@ -266,10 +266,9 @@ def test_kl_coefficient_adds_penalty_in_the_same_aggregation():
     assert m["kl_ref"].item() == pytest.approx((kl.sum() / mask.sum()).item(), rel=1e-13)
 
 
-def test_ppo_clip_loss_wrapper_equals_registry_and_registry_errors():
+def test_registry_and_params_errors():
     lp, old, adv, mask, w = _case(9)
     inp = PolicyLossInput(lp, old, adv, mask, mask.sum(), w)
-    assert ppo_clip_loss(inp, 0.2, 0.28, 3.0)[0].item() == policy_loss("ppo_clip", inp, P)[0].item()
     with pytest.raises(KeyError, match="cispo"):
         POLICY_LOSSES.get("nope")
     with pytest.raises(ValueError, match="dual_clip"):

@@ -1,16 +1,16 @@
-"""PPO-EWMA, A-3PO, DLC, AIS, on-policy distillation and sequence diagnostics (float64)."""
+"""PPO-EWMA, A-3PO, DLC, AIS, on-policy distillation and the normalised ESS (float64)."""
 
 import math
 
 import pytest
 import torch
 
-from nearpolicy.ops.corrections import correction_log_ratio
-from nearpolicy.ops.diagnostics import fraction, sequence_mismatch_metrics
+from nearpolicy.ops.corrections import CorrectionSpec, correct, correction_log_ratio, mismatch_correction
+from nearpolicy.ops.diagnostics import fraction, normalized_ess
 from nearpolicy.ops.distill import opd_advantages, reverse_kl_tokens
 from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
-from nearpolicy.ops.proximal import (a3po_alpha, a3po_proximal_logprobs, ais_lambda, discrepancy_center, dlc_resync_signal,
-                                     dlc_weights, ewma_update, mix_weights, normalized_ess, ppo_ewma_weights)
+from nearpolicy.ops.proximal import (a3po_alpha, a3po_proximal_logprobs, ais_lambda, discrepancy_center, ewma_update,
+                                     proximal_logprobs)
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
 DEFAULT_DTYPE = torch.float64
@@ -42,25 +42,27 @@ def test_ewma_update_is_the_bias_corrected_weighted_average():
         ewma_update(ewma, thetas[0], w, 1.0)
 
 
-def test_ppo_ewma_through_ppo_clip_equals_the_reference_loss_and_gradient():
-    lp, prox, rollout, adv, mask = _case(1)
-    rollout = rollout - 5.0 * (torch.arange(6) == 2)  # some tokens hit the imp_samp_max = 100 cap
-    eps = 0.2
+def test_ewma_proximal_gives_the_ratio_and_a_detached_weight_against_the_ewma_logprobs():
+    """Invariant 11 on the trainer's path (update.py): proximal_logprobs("ewma") feeds both the loss's ratio
+    exp(lp - ewma) and the mismatch weight exp(ewma - rollout), which is detached even when ewma carries a graph."""
+    lp, ewma, rollout, adv, mask = _case(1)
+    old = ewma + 0.1  # must not be read for proximal "ewma"
+    has = torch.ones_like(mask)
+    ewma = ewma.clone().requires_grad_(True)
     lp.requires_grad_(True)
-    w = ppo_ewma_weights(prox, rollout, lp, mask)
+    prox = proximal_logprobs("ewma", "decoupled", lp, old, rollout, has, ewma_logprobs=ewma)
+    assert torch.equal(prox, ewma.detach()) and not prox.requires_grad
+    w = mismatch_correction(CorrectionSpec("token", "none"), lp, prox, rollout, mask, has).weights
+    assert not w.requires_grad
+    assert torch.allclose(w, torch.where(mask, (ewma.detach() - rollout).exp(), 1.0), rtol=1e-15, atol=0)
+    eps = 0.2
     ours, _ = policy_loss("ppo_clip", PolicyLossInput(lp, prox, adv, mask, mask.sum(), w), PolicyLossParams(eps, eps, None))
     (g_ours,) = torch.autograd.grad(ours, lp)
-    lp2 = lp.detach().clone().requires_grad_(True)  # openai/ppo-ewma ppo.py, written out
-    mu_adj = torch.maximum(rollout, lp2.detach() - math.log(100))
-    a = adv[:, None]
-    l1 = -a * torch.exp(lp2 - mu_adj)
-    l2 = -a * torch.exp((lp2 - prox).clamp(math.log(1 - eps), math.log(1 + eps)) + prox - mu_adj)
-    ref = torch.where(mask, torch.maximum(l1, l2), 0.0).sum() / mask.sum()
-    (g_ref,) = torch.autograd.grad(ref, lp2)
-    assert (mu_adj != rollout)[mask].any()
-    assert ours.item() == pytest.approx(ref.item(), rel=1e-12)
-    assert torch.allclose(g_ours, g_ref, rtol=1e-12, atol=1e-15)
-    assert not w.requires_grad
+    r = (lp.detach() - ewma.detach()).exp()
+    a = adv[:, None].expand_as(r)
+    unclipped = (-a * r >= -a * r.clamp(1 - eps, 1 + eps))  # the max picks the unclipped term: gradient -A r w
+    expected = torch.where(mask & unclipped, -a * r * w, 0.0) / mask.sum()
+    assert torch.allclose(g_ours, expected, rtol=1e-12, atol=0)
 
 
 # -- A-3PO ----------------------------------------------------------------------------------------------------
@@ -80,28 +82,30 @@ def test_a3po_alpha_and_interpolations():
 
 
 # -- DLC ------------------------------------------------------------------------------------------------------
-def test_dlc_weights_centre_and_truncate():
+def test_dlc_centre_and_truncate_through_correct():
+    """DLC as update.batch_correction applies it: the centre c shifts the engine's log-probs, so the token weight
+    is clamp(exp(log rho - c), lower, upper) at defined tokens and 1 elsewhere."""
     log_rho = torch.tensor([[math.log(2.0), math.log(0.5), math.log(4.0), 0.0]])
     defined = torch.tensor([[True, True, True, False]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
     c = discrepancy_center(log_rho, defined, "log_mean")
     assert c.item() == pytest.approx(math.log(4.0) / 3, rel=1e-14)  # mean log rho over defined tokens
-    w = dlc_weights(log_rho, defined, c)
+    w = correct(CorrectionSpec("token", "none"), log_rho - c, defined, mask).weights
     expected = [2 / 4 ** (1 / 3), 0.5 / 4 ** (1 / 3), 4 / 4 ** (1 / 3), 1.0]
-    assert torch.allclose(w[0], torch.tensor(expected), rtol=1e-14)
+    assert torch.allclose(w[0], torch.tensor(expected), rtol=1e-14, atol=0)
     assert discrepancy_center(log_rho, defined, "weight_mean").item() == pytest.approx(math.log(6.5 / 3), rel=1e-14)
-    assert torch.allclose(dlc_weights(log_rho, defined, 0.0, 0.0, 2.0)[0], torch.tensor([2.0, 0.5, 2.0, 1.0]), rtol=1e-15)
+    truncated = correct(CorrectionSpec("token", "truncate", 0.0, 2.0), log_rho, defined, mask).weights
+    assert torch.allclose(truncated[0], torch.tensor([2.0, 0.5, 2.0, 1.0]), rtol=1e-15, atol=0)
     assert discrepancy_center(log_rho, defined, "none").item() == 0.0
 
 
-def test_dlc_resync_signal_hand_computed():
-    lp = torch.log(torch.tensor([[0.2, 0.3, 0.9]]))
-    old = torch.log(torch.tensor([[0.1, 0.3, 0.5]]))  # lag weights 2, 1 and (masked) 1.8
+def test_normalized_ess_hand_computed_empty_and_without_overflow():
+    w = torch.tensor([[2.0, 1.0, 1.8]])  # the third is masked
     mask = torch.tensor([[True, True, False]])
-    ess, resync = dlc_resync_signal(lp, old, mask)
-    assert ess.item() == pytest.approx(9 / (2 * 5), rel=1e-14) and not resync
-    _, resync = dlc_resync_signal(lp, old, mask, threshold=0.95)
-    assert resync
+    assert normalized_ess(w.log(), mask).item() == pytest.approx(9 / (2 * 5), rel=1e-14)
     assert normalized_ess(torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.bool)).item() == 1.0
+    big = torch.tensor([800.0, 800.0 + math.log(2.0)])  # sequence log-weights: exp would overflow float64
+    assert normalized_ess(big, torch.ones(2, dtype=torch.bool)).item() == pytest.approx(9 / (2 * 5), rel=1e-12)
 
 
 # -- AIS ------------------------------------------------------------------------------------------------------
@@ -121,7 +125,9 @@ def test_ais_lambda_hand_computed_and_zero_without_mismatch():
     assert lam0.item() == 0.0
 
 
-def test_mix_weights_give_the_interpolated_gradient():
+def test_ais_mix_gives_the_interpolated_gradient():
+    """update.batch_correction puts AIS's lambda into the spec's mix: w_eff = (1 - lambda) + lambda w, so for a
+    loss linear in the weight the loss (and gradient) is (1 - lambda) uncorrected + lambda corrected."""
     lp, old, rollout, adv, mask = _case(3)
     log_rho, defined = correction_log_ratio("decoupled", lp, old, rollout, mask, torch.ones_like(mask))
     w = torch.where(defined, log_rho.exp(), 1.0)
@@ -131,9 +137,12 @@ def test_mix_weights_give_the_interpolated_gradient():
     def loss(weights):
         return policy_loss("ppo_clip", PolicyLossInput(lp, old, adv, mask, mask.sum(), weights), PolicyLossParams())[0]
 
-    mixed = loss(mix_weights(w, lam, mask))
-    assert mixed.item() == pytest.approx(((1 - lam) * loss(None) + lam * loss(w)).item(), rel=1e-12)
-    assert torch.equal(mix_weights(w, 1.0, mask), w) and torch.equal(mix_weights(w, 0.0, mask)[mask], torch.ones(int(mask.sum())))
+    def mixed(mix):
+        return correct(CorrectionSpec("token", "none", mix=mix), log_rho, defined, mask).weights
+
+    assert torch.allclose(mixed(1.0), w, rtol=1e-15, atol=0)
+    assert loss(mixed(float(lam))).item() == pytest.approx(((1 - lam) * loss(None) + lam * loss(w)).item(), rel=1e-12)
+    assert torch.equal(mixed(0.0)[mask], torch.ones(int(mask.sum())))
 
 
 # -- on-policy distillation -----------------------------------------------------------------------------------
@@ -167,27 +176,6 @@ def test_opd_loss_is_tinker_importance_sampling_with_engine_logprobs():
 
 
 # -- diagnostics ----------------------------------------------------------------------------------------------
-def test_sequence_mismatch_metrics_hand_computed():
-    pi = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.4, 0.4, 0.4], [0.3, 0.3, 0.3]]))
-    mu = torch.log(torch.tensor([[0.25, 0.2, 0.1], [0.8, 0.2, 0.4], [0.3, 0.3, 0.3]]))
-    defined = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
-    m = sequence_mismatch_metrics(pi, mu.masked_fill(~defined, float("nan")), defined)
-    d0 = (math.log(0.25) + math.log(0.2)) / 2 - (math.log(0.5) + math.log(0.2)) / 2  # mean mu - mean pi = -log 2 / 2
-    d1 = (math.log(0.8) + math.log(0.2) + math.log(0.4)) / 3 - math.log(0.4)
-    assert m["log_ppl_diff"].item() == pytest.approx((d0 + d1) / 2, rel=1e-13)
-    assert m["log_ppl_diff_abs"].item() == pytest.approx((abs(d0) + abs(d1)) / 2, rel=1e-13)
-    assert m["log_ppl_diff_max"].item() == pytest.approx(max(d0, d1), rel=1e-13)
-    assert m["log_ppl_diff_min"].item() == pytest.approx(min(d0, d1), rel=1e-13)
-    assert m["ppl_ratio"].item() == pytest.approx((math.exp(d0) + math.exp(d1)) / 2, rel=1e-13)
-    ppl0 = math.exp(-(math.log(0.5) + math.log(0.2)) / 2)
-    assert m["training_ppl"].item() == pytest.approx((ppl0 + 2.5) / 2, rel=1e-13)
-    seq_r = [2.0, 0.5 * 2.0 * 1.0]  # products of pi / mu over defined tokens
-    assert m["chi2_seq"].item() == pytest.approx(sum(r * r for r in seq_r) / 2 - 1, rel=1e-13)
-    assert m["seqs"].item() == 2
-    same = sequence_mismatch_metrics(pi, pi.clone(), defined)
-    assert same["log_ppl_diff"].item() == 0 and same["ppl_ratio"].item() == 1 and same["chi2_seq"].item() == 0
-
-
 def test_fraction_with_global_denominator_adds_up_over_micro_batches():
     g = torch.Generator().manual_seed(6)
     ind, mask = torch.rand(6, 5, generator=g) > 0.5, torch.rand(6, 5, generator=g) > 0.3
@@ -195,34 +183,3 @@ def test_fraction_with_global_denominator_adds_up_over_micro_batches():
     parts = sum(fraction(ind[r], mask[r], mask.sum()) for r in (slice(0, 2), slice(2, 6)))
     assert full.item() == pytest.approx(((ind & mask).sum() / mask.sum()).item(), rel=1e-15)
     assert parts.item() == pytest.approx(full.item(), rel=1e-14)
-
-
-def test_score_centering_term_hand_computed_and_zero_without_mismatch():
-    from nearpolicy.ops.proximal import score_centering_term
-
-    p = torch.tensor([[[0.4, 0.3, 0.1]]])
-    q = torch.tensor([[[0.5, 0.3, 0.1]]])
-    head = torch.tensor([[[True, True, False]]])  # engine's top-2; the third entry must be ignored
-    mask = torch.ones(1, 1, dtype=torch.bool)
-    logp = p.log().requires_grad_(True)
-    c = score_centering_term(logp, q.log().masked_fill(~head, float("nan")), head, mask)
-    rho_tail = 0.2 / 0.3
-    coef = [0.5 - rho_tail * 0.4, 0.3 - rho_tail * 0.3]
-    assert c.item() == pytest.approx(coef[0] * math.log(0.4) + coef[1] * math.log(0.3), rel=1e-13)
-    (grad,) = torch.autograd.grad(c.sum(), logp)
-    assert torch.allclose(grad, torch.tensor([[[coef[0], coef[1], 0.0]]]), rtol=1e-13, atol=0)
-    tis = score_centering_term(p.log(), q.log(), head, mask, 0.9, 1.1)  # p/q = 0.8, 1.0
-    alpha = min(max(1.0, 0.9 * rho_tail), 1.1 * rho_tail)
-    expected = (0.45 - alpha * 0.4) * math.log(0.4) + (0.3 - alpha * 0.3) * math.log(0.3)
-    assert tis.item() == pytest.approx(expected, rel=1e-13)
-    assert score_centering_term(p.log(), q.log(), head, mask, 0.5, 2.0).item() == 0.0  # all ratios inside: no term
-    logits = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
-    same = torch.log_softmax(logits, -1)
-    top = torch.rand(3, 4, 6, generator=torch.Generator().manual_seed(1)) > 0.4
-    top[0, 3] = True  # a head covering the whole support: value sum q log p, but zero gradient
-    top[1, 0] = False  # an empty head
-    c = score_centering_term(same, same.detach().clone(), top, torch.ones(3, 4, dtype=torch.bool))
-    partial = ~top.all(-1)
-    assert torch.equal(c[partial], torch.zeros(int(partial.sum())))  # p = q on a partial head: coefficient 0
-    (g_logits,) = torch.autograd.grad(c.sum(), logits)
-    assert torch.allclose(g_logits, torch.zeros_like(g_logits), atol=1e-12, rtol=0)

@@ -1,5 +1,5 @@
-"""Self-normalised importance sampling (CorrectionSpec.self_normalize) and IcePop score centring, against
-per-token loop references (float64)."""
+"""Self-normalised importance sampling (CorrectionSpec.self_normalize) against per-token loop references
+(float64)."""
 
 import math
 
@@ -9,7 +9,6 @@ import torch
 from nearpolicy.ops.correction_presets import correction_spec
 from nearpolicy.ops.corrections import CorrectionSpec, correct
 from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
-from nearpolicy.ops.proximal import score_centering_term
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
 DEFAULT_DTYPE = torch.float64
@@ -101,55 +100,6 @@ def test_self_normalised_presets_and_validation():
     assert correction_spec("seq_tis_snis").self_normalize == "sequence"
     with pytest.raises(ValueError, match="self_normalize"):
         CorrectionSpec(self_normalize="batch")
-
-
-# -- IcePop score centring -------------------------------------------------------------------------------------
-def test_icepop_score_centering_matches_a_loop_reference_value_and_gradient():
-    g = torch.Generator().manual_seed(5)
-    B, T, K, lo, hi = 2, 3, 5, 0.5, 2.0
-    logits = torch.randn(B, T, K + 3, generator=g)
-    logp_full = torch.log_softmax(logits, -1)
-    logq_full = torch.log_softmax(logits + 0.9 * torch.randn(B, T, K + 3, generator=g), -1)
-    head = torch.rand(B, T, K, generator=g) > 0.3
-    mask = torch.tensor([[True, True, False], [True, True, True]])
-    logp = logp_full[..., :K].clone().requires_grad_(True)
-    logq = torch.where(head, logq_full[..., :K], torch.full((B, T, K), math.nan))
-    c = score_centering_term(logp, logq, head, mask, lo, hi, icepop=True)
-    (grad,) = torch.autograd.grad(c.sum(), logp)
-    n_in = n_out = 0
-    for b in range(B):
-        for t in range(T):
-            if not mask[b, t]:
-                assert c[b, t].item() == 0.0 and (grad[b, t] == 0).all()
-                continue
-            hs = [v for v in range(K) if head[b, t, v]]
-            p = {v: math.exp(logp[b, t, v].item()) for v in hs}
-            q = {v: math.exp(logq[b, t, v].item()) for v in hs}
-            rho_tail = max(1 - sum(q.values()), 0) / max(1 - sum(p.values()), 1e-6)
-            alpha = 1.0 if lo <= 1 / rho_tail <= hi else 0.0
-            value, coef = 0.0, [0.0] * K
-            for v in hs:
-                mass = p[v] if lo <= p[v] / q[v] <= hi else 0.0
-                n_in, n_out = n_in + (mass > 0), n_out + (mass == 0)
-                coef[v] = mass - alpha * p[v]
-                value += coef[v] * math.log(p[v])
-            assert c[b, t].item() == pytest.approx(value, rel=1e-12, abs=1e-14), (b, t)
-            assert torch.allclose(grad[b, t], torch.tensor(coef), rtol=1e-12, atol=1e-15), (b, t)
-    assert n_in > 0 and n_out > 0  # both sides of the IcePop window are exercised
-
-
-def test_icepop_score_centering_vanishes_without_mismatch_so_the_loss_is_uncorrected():
-    g = torch.Generator().manual_seed(6)
-    B, T, K = 3, 4, 6
-    logp = torch.log_softmax(torch.randn(B, T, K + 2, generator=g), -1)[..., :K].requires_grad_(True)
-    head = torch.rand(B, T, K, generator=g) > 0.2
-    mask = torch.ones(B, T, dtype=torch.bool)
-    c = score_centering_term(logp, logp.detach().clone(), head, mask, 0.5, 5.0, icepop=True)
-    assert torch.equal(c, torch.zeros(B, T))  # every p / q = 1 and rho_tail = 1: coefficient exactly 0
-    lp, adv = logp[..., 0], torch.randn(B, generator=g)
-    base, _ = policy_loss("ppo_clip", PolicyLossInput(lp, lp.detach(), adv, mask, mask.sum()), PolicyLossParams(0.2, 0.2))
-    total = base + (adv[:, None] * c).sum() / mask.sum()
-    assert total.item() == base.item()
 
 
 @pytest.mark.parametrize("kind", ["token", "sequence"])

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from nearpolicy.ops.advantages import ADVANTAGES, grpo_advantages, rloo_advantages
-from nearpolicy.ops.corrections import TokenCorrection, token_correction_weights
+from nearpolicy.ops.corrections import CorrectionSpec, mismatch_correction
 from nearpolicy.ops.diagnostics import mismatch_metrics
-from nearpolicy.ops.losses import PolicyLossInput, ppo_clip_loss
+from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
 DEFAULT_DTYPE = torch.float64
@@ -19,24 +19,25 @@ DEFAULT_DTYPE = torch.float64
 def test_grpo_matches_hand_computed_values():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 3.0])
     groups = torch.tensor([7, 7, 7, 7, 2, 2])
-    adv = grpo_advantages(rewards, groups)
+    adv = grpo_advantages(rewards, groups).advantages
     std4 = math.sqrt(((0.5**2) * 4) / 3)  # unbiased std of [1, 0, 0, 1]
     expected = [0.5 / std4, -0.5 / std4, -0.5 / std4, 0.5 / std4, 1 / math.sqrt(2), -1 / math.sqrt(2)]
-    assert torch.allclose(adv, torch.tensor(expected), atol=1e-12)
+    assert torch.allclose(adv, torch.tensor(expected), rtol=0, atol=1e-12)
 
 
 def test_group_normalisation_is_per_group_id_not_positional():
     rewards = torch.tensor([1.0, 5.0, 0.0, 3.0])
     groups = torch.tensor([0, 1, 0, 1])  # interleaved groups
-    adv = grpo_advantages(rewards, groups)
-    assert torch.allclose(adv, torch.tensor([1, 1, -1, -1]) / math.sqrt(2), atol=1e-12)
+    adv = grpo_advantages(rewards, groups).advantages
+    assert torch.allclose(adv, torch.tensor([1, 1, -1, -1]) / math.sqrt(2), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ADVANTAGES.names())
 def test_degenerate_groups_give_finite_zeros(name):
     rewards = torch.tensor([2.0, 2.0, 2.0, 7.0, float("nan"), 1.0, 0.0])
     groups = torch.tensor([0, 0, 0, 1, 2, 2, 2])  # constant, singleton, one unscorable member
-    adv = ADVANTAGES.get(name)(rewards, groups)
+    out = ADVANTAGES.get(name)(rewards, groups)
+    adv = out.advantages
     assert torch.isfinite(adv).all()
     assert adv[4] == 0  # unscorable
     if name != "reinforce":
@@ -44,8 +45,8 @@ def test_degenerate_groups_give_finite_zeros(name):
 
 
 def test_unscorable_member_is_left_out_of_its_group_statistics():
-    adv = rloo_advantages(torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([0, 0, 0]))
-    assert torch.allclose(adv, torch.tensor([1.0, 0.0, -1.0]), atol=1e-12)
+    adv = rloo_advantages(torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([0, 0, 0])).advantages
+    assert torch.allclose(adv, torch.tensor([1.0, 0.0, -1.0]), rtol=0, atol=1e-12)
 
 
 def test_unknown_estimator_lists_valid_names():
@@ -53,7 +54,11 @@ def test_unknown_estimator_lists_valid_names():
         ADVANTAGES.get("nope")
 
 
-# -- PPO-clip -----------------------------------------------------------------------------------
+# -- PPO-clip (the registered loss the trainer calls) ---------------------------------------------
+def ppo_clip_loss(inp, clip_low=0.2, clip_high=0.28, dual_clip=3.0):
+    return policy_loss("ppo_clip", inp, PolicyLossParams(clip_low, clip_high, dual_clip))
+
+
 def _loop_reference(lp, old, adv, mask, eps_low, eps_high, c, weights):
     total, n = 0.0, 0
     for i in range(lp.shape[0]):
@@ -113,7 +118,7 @@ def test_micro_batch_split_leaves_loss_and_gradient_unchanged():
         total = total + part
     (g_split,) = torch.autograd.grad(total, lp)
     assert total.item() == pytest.approx(full.item(), rel=1e-12)
-    assert torch.allclose(g_split, g_full, atol=1e-15)
+    assert torch.allclose(g_split, g_full, rtol=0, atol=1e-15)
 
 
 def test_extra_padding_columns_leave_loss_unchanged():
@@ -130,7 +135,7 @@ def test_on_policy_ratio_is_one_and_gradient_is_plain_policy_gradient():
     loss, metrics = ppo_clip_loss(PolicyLossInput(lp, lp.detach(), adv, mask, mask.sum()))
     (grad,) = torch.autograd.grad(loss, lp)
     expected = torch.where(mask, -adv[:, None].expand_as(lp) / mask.sum(), torch.zeros_like(lp))
-    assert torch.allclose(grad, expected, atol=1e-15)
+    assert torch.allclose(grad, expected, rtol=0, atol=1e-15)
     assert metrics["pg_clipfrac"].item() == 0 and metrics["ppo_kl"].item() == 0
 
 
@@ -144,17 +149,24 @@ def test_ppo_clip_gradcheck():
 def test_dual_clip_must_exceed_one():
     lp, old, adv, mask, _ = _random_case()
     with pytest.raises(ValueError, match="dual_clip"):
-        ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, 1), dual_clip=0.5)
+        ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, 1), dual_clip=0.5)  # PolicyLossParams refuses it
 
 
-# -- TIS / corrections (invariants 5, 11) ---------------------------------------------------------
+# -- TIS / corrections (invariants 5, 11), through update.py's entry point ------------------------
+def token_correction_weights(old, rollout, mask, has, action, lower=0.0, upper=math.inf):
+    """Decoupled token-level weights and metrics: mismatch_correction with proximal = old (correction.proximal
+    = "old"); the current log-probs are not read in decoupled mode."""
+    result = mismatch_correction(CorrectionSpec("token", action, lower, upper), None, old, rollout, mask, has)
+    return result.weights, result.metrics
+
+
 def test_tis_weights_truncate_at_cap_and_missing_logprob_gives_exactly_one():
     old = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.2), 0.0]])
     rollout = torch.tensor([[math.log(0.1), math.log(0.9), math.log(0.4), float("nan")]])
     mask = torch.tensor([[True, True, True, True]])
     has = torch.tensor([[True, True, True, False]])
-    w, metrics = token_correction_weights(old, rollout, mask, has, TokenCorrection("truncate", 0.0, 2.0))
-    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.5, 1.0]]), atol=1e-12)
+    w, metrics = token_correction_weights(old, rollout, mask, has, "truncate", 0.0, 2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.5, 1.0]]), rtol=0, atol=1e-12)
     assert metrics["correction/frac_high"].item() == pytest.approx(1 / 3)
 
 
@@ -162,14 +174,14 @@ def test_correction_weights_are_detached_and_use_old_not_current_logprobs():
     old = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     rollout = torch.tensor([[-1.5, -2.0]])
     w, _ = token_correction_weights(old, rollout, torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2, dtype=torch.bool),
-                                    TokenCorrection("none"))
+                                    "none")
     assert not w.requires_grad
-    assert torch.allclose(w, torch.tensor([[math.exp(0.5), 1.0]]))
+    assert torch.allclose(w, torch.tensor([[math.exp(0.5), 1.0]]), rtol=1e-15, atol=0)
 
 
 def test_all_ratios_one_means_tis_equals_uncorrected_loss():
     lp, old, adv, mask, _ = _random_case(6)
-    w, _ = token_correction_weights(old, old.clone(), mask, mask, TokenCorrection("truncate", 0.0, 2.0))
+    w, _ = token_correction_weights(old, old.clone(), mask, mask, "truncate", 0.0, 2.0)
     a, _ = ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, mask.sum(), w))
     b, _ = ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, mask.sum()))
     assert a.item() == b.item()
@@ -178,8 +190,8 @@ def test_all_ratios_one_means_tis_equals_uncorrected_loss():
 def test_infinite_bounds_are_plain_importance_sampling():
     lp, old, adv, mask, _ = _random_case(7)
     rollout = old + 0.3
-    trunc, _ = token_correction_weights(old, rollout, mask, mask, TokenCorrection("truncate", 0.0, math.inf))
-    plain, _ = token_correction_weights(old, rollout, mask, mask, TokenCorrection("none"))
+    trunc, _ = token_correction_weights(old, rollout, mask, mask, "truncate", 0.0, math.inf)
+    plain, _ = token_correction_weights(old, rollout, mask, mask, "none")
     assert torch.equal(trunc, plain)
 
 
@@ -187,8 +199,8 @@ def test_mask_action_zeroes_out_of_bounds_tokens():
     old = torch.tensor([[0.0, 0.0, 0.0]])
     rollout = torch.tensor([[math.log(4.0), 0.0, -math.log(3.0)]])  # ratios 0.25, 1, 3
     one = torch.ones(1, 3, dtype=torch.bool)
-    w, _ = token_correction_weights(old, rollout, one, one, TokenCorrection("mask", 0.5, 2.0))
-    assert torch.allclose(w, torch.tensor([[0.0, 1.0, 0.0]]))
+    w, _ = token_correction_weights(old, rollout, one, one, "mask", 0.5, 2.0)
+    assert torch.equal(w, torch.tensor([[0.0, 1.0, 0.0]]))
 
 
 # -- diagnostics ----------------------------------------------------------------------------------

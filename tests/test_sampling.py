@@ -20,28 +20,28 @@ def test_numpy_and_torch_transforms_agree(temperature, top_k, top_p):
         got = np_transform(row, sp)
         assert np.array_equal(np.isinf(got), np.isinf(expected))
         finite = np.isfinite(got)
-        assert np.allclose(got[finite], expected[finite], atol=1e-12)
+        assert np.allclose(got[finite], expected[finite], rtol=0, atol=1e-12)
 
 
 def test_temperature_is_applied_to_logits_not_to_logprobs():
     logits = np.array([2.0, 1.0, 0.0])
     got = np_transform(logits, SamplingParams(temperature=0.5))
     s = logits / 0.5
-    assert np.allclose(got, s - np.log(np.exp(s).sum()))
+    assert np.allclose(got, s - np.log(np.exp(s).sum()), rtol=0, atol=1e-12)
     raw = logits - np.log(np.exp(logits).sum())
-    assert not np.allclose(got, raw / 0.5)  # dividing a raw log-prob by T is the classic bug
+    assert not np.allclose(got, raw / 0.5, rtol=0, atol=1e-12)  # dividing a raw log-prob by T is the classic bug
 
 
 def test_top_p_keeps_smallest_prefix_reaching_p_and_renormalises():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     got = np_transform(np.log(probs), SamplingParams(top_p=0.8))
     # exclusive cumsums 0, .5, .8, .95 -> keep the first two (0.8 is not < 0.8)
-    assert np.allclose(np.exp(got[:2]), [0.5 / 0.8, 0.3 / 0.8]) and np.isinf(got[2:]).all()
+    assert np.allclose(np.exp(got[:2]), [0.5 / 0.8, 0.3 / 0.8], rtol=0, atol=1e-12) and np.isinf(got[2:]).all()
 
 
 def test_top_k_keeps_k_largest():
     got = np_transform(np.log(np.array([0.1, 0.4, 0.2, 0.3])), SamplingParams(top_k=2))
-    assert np.allclose(np.exp(got), [0, 4 / 7, 0, 3 / 7])
+    assert np.allclose(np.exp(got), [0, 4 / 7, 0, 3 / 7], rtol=0, atol=1e-12)
 
 
 def test_sample_rows_draws_from_the_transformed_distribution_and_returns_its_logprob():
@@ -53,7 +53,7 @@ def test_sample_rows_draws_from_the_transformed_distribution_and_returns_its_log
         ids, lps = sample_rows(logits, sp, rng)
         counts[ids[0]] += 1
         assert lps[0] == pytest.approx(math.log([0.2, 0.5, 0.3][ids[0]]))
-    assert np.allclose(counts / counts.sum(), [0.2, 0.5, 0.3], atol=0.015)
+    assert np.allclose(counts / counts.sum(), [0.2, 0.5, 0.3], rtol=0, atol=0.015)
 
 
 @pytest.mark.parametrize("sp", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_p=0.8)],
@@ -66,7 +66,7 @@ def test_sample_rows_each_row_of_a_batch_follows_its_own_transformed_distributio
     for _ in range(4000):
         ids, lps = sample_rows(logits, sp, rng)
         counts[np.arange(3), ids] += 1
-        assert np.allclose(lps, np.log(want[np.arange(3), ids]), atol=1e-6)
+        assert np.allclose(lps, np.log(want[np.arange(3), ids]), rtol=0, atol=1e-6)
     assert np.abs(counts / 4000 - want).max() < 0.03  # 4000 draws: 3 standard errors of p = 0.5 is 0.024
     assert (counts[want == 0] == 0).all()
 

@@ -82,10 +82,14 @@ class _Recording(OffsetEngine):
 
 def _assert_measured_mismatch_is_the_offset(row: dict, offsets: np.ndarray) -> None:
     """The trainer's k1 is the token mean of log mu - log pi_old = the mean offset; its max |delta log p| the
-    largest offset (hf fp32 engine vs trainer: about 1e-6 nats apart)."""
+    largest offset; k3 and the normalised ESS those of r = exp(-offset) (hf fp32 engine vs trainer: about 1e-6
+    nats apart)."""
     assert row["mismatch/tokens"] == len(offsets)
     assert row["mismatch/k1"] == pytest.approx(float(offsets.mean()), abs=2e-4)
     assert row["mismatch/max_abs_logprob_diff"] == pytest.approx(float(np.abs(offsets).max()), abs=2e-4)
+    w = np.exp(-offsets)  # r = pi_old / mu = exp(-offset)
+    assert row["mismatch/k3"] == pytest.approx(float(np.mean(w - 1 + offsets)), abs=2e-4)
+    assert row["mismatch/ess"] == pytest.approx(float(w.sum() ** 2 / (len(w) * (w * w).sum())), abs=2e-4)
 
 
 def _assert_finite_update(row: dict) -> None:

@@ -71,11 +71,15 @@ def open_trainer(cfg: Config, *, resume: bool = False, log=print,
     torch.manual_seed(cfg.run.seed)
     try:
         session, rollouts = build(cfg, run_dir, log)
+        try:
+            return Trainer(cfg, session, rollouts, resume=resume, log=log, data=data)
+        except BaseException:
+            rollouts.close()  # its engine processes must not outlive a Trainer that never started
+            raise
     except BaseException:
         if created:  # a run that never started leaves no folder to block the retry
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return Trainer(cfg, session, rollouts, resume=resume, log=log, data=data)
 
 
 def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], sampling):

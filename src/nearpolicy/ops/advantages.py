@@ -1,5 +1,6 @@
 """Advantage estimators for outcome rewards. One signature: (rewards [N] float, group_ids [N] int) ->
-advantages [N] float, one scalar per sequence (broadcast over its tokens by the loss).
+AdvantageResult(advantages [N] float, one scalar per sequence, broadcast over its tokens by the loss; keep [N]
+bool, False for a sample left out of the gradient, e.g. MC-GRPO's pivot, all True for the other estimators).
 
 Normalisation is per group id (never batch-wide). Unscorable rewards (NaN) get advantage 0 and are left out
 of their group's statistics; singleton and constant groups give 0 (invariant 6)."""
@@ -13,10 +14,21 @@ import torch
 
 from nearpolicy.registry import Registry
 
-AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
-
 STD_FLOOR = 1e-6  # a group scale (std, MAD) at or below this is not divided by (invariant 6)
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """What every registered estimator returns: advantages [N] (dtype of the rewards); keep [N] bool, False for
+    samples excluded from the gradient (MC-GRPO's pivot). The caller ANDs `keep` into the response mask *before*
+    counting loss denominators, so an excluded sample's tokens count in neither numerator nor denominator."""
+
+    advantages: torch.Tensor
+    keep: torch.Tensor
+
+
+AdvantageFn = Callable[[torch.Tensor, torch.Tensor], AdvantageResult]
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,51 +51,45 @@ def _finish(adv: torch.Tensor, rewards: torch.Tensor, size: torch.Tensor) -> tor
     return torch.where(keep, adv, torch.zeros_like(adv)).to(rewards.dtype)
 
 
+def _all_kept(adv: torch.Tensor) -> AdvantageResult:
+    return AdvantageResult(adv, torch.ones_like(adv, dtype=torch.bool))
+
+
 @ADVANTAGES.register("grpo", summary="(R - group mean) / group std; std below a floor is not divided by",
                      source="DeepSeekMath arXiv:2402.03300 eq. 3 (outcome supervision)")
-def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
     mean, std, size = _group_stats(rewards, group_ids)
     centred = rewards.double() - mean
     adv = torch.where(std > STD_FLOOR, centred / std.clamp_min(STD_FLOOR), centred)
-    return _finish(adv, rewards, size)
+    return _all_kept(_finish(adv, rewards, size))
 
 
 @ADVANTAGES.register("dr_grpo", summary="R - group mean (no std scaling)", source="Dr. GRPO arXiv:2503.20783 sec. 3.1")
-def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
     mean, _, size = _group_stats(rewards, group_ids)
-    return _finish(rewards.double() - mean, rewards, size)
+    return _all_kept(_finish(rewards.double() - mean, rewards, size))
 
 
 @ADVANTAGES.register("rloo", summary="R minus the mean of the other members of the group",
                      source="RLOO arXiv:2402.14740 eq. 6")
-def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
     mean, _, size = _group_stats(rewards, group_ids)
     adv = size / (size - 1).clamp_min(1) * (rewards.double() - mean)
-    return _finish(adv, rewards, size)
+    return _all_kept(_finish(adv, rewards, size))
 
 
 @ADVANTAGES.register("reinforce", summary="the reward itself, no baseline", source="Williams 1992")
-def reinforce_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def reinforce_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
     del group_ids
-    return torch.where(torch.isfinite(rewards), rewards, torch.zeros_like(rewards))
+    return _all_kept(torch.where(torch.isfinite(rewards), rewards, torch.zeros_like(rewards)))
 
 
 # -- MC-GRPO: median baseline, pivot excluded -----------------------------------------------------
-# The registry signature returns advantages only. The pivot (the median sample of each group, which MC-GRPO
-# removes from the gradient) is returned by `mc_grpo_pivot` / `compute_advantages` as a keep-mask [N]: the
-# caller ANDs it into the response mask *before* counting loss denominators, so the pivot's tokens count in
-# neither numerator nor denominator. Its advantage is also exactly 0, so forgetting the keep-mask only changes
-# the denominator, never the direction of the gradient.
+# The pivot (the median sample of each group, which MC-GRPO removes from the gradient) is the `keep` of the
+# estimator's AdvantageResult, computed once with the advantages. Its advantage is also exactly 0, so
+# forgetting the keep-mask only changes the denominator, never the direction of the gradient.
 
 NONZERO_TOL = 1e-6  # |A| <= this counts as a zero advantage in the released code's rescaling
-
-
-@dataclass(frozen=True)
-class AdvantageResult:
-    """advantages [N] (dtype of the rewards), keep [N] bool: False for samples excluded from the gradient."""
-
-    advantages: torch.Tensor
-    keep: torch.Tensor
 
 
 def _group_order(
@@ -170,32 +176,26 @@ def mc_grpo_advantages(
 
 
 @ADVANTAGES.register("mc_grpo", summary="R - group median; the median sample (pivot) is left out of the gradient",
-                     source="MC-GRPO arXiv:2601.22582 (abstract); pivot via compute_advantages")
-def mc_grpo_median_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    return mc_grpo_advantages(rewards, group_ids, "none").advantages
+                     source="MC-GRPO arXiv:2601.22582 (abstract); the pivot is the result's keep-mask")
+def mc_grpo_median_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
+    return mc_grpo_advantages(rewards, group_ids, "none")
 
 
 @ADVANTAGES.register("mc_grpo_mad", summary="(R - group median) / MAD, no division for MAD <= 1e-6; pivot left out "
                      "of the gradient",
                      source="MC-GRPO arXiv:2601.22582; MAD scaling from the released code lotusroot-kim/MC-GRPO")
-def mc_grpo_mad_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    return mc_grpo_advantages(rewards, group_ids, "mad").advantages
+def mc_grpo_mad_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
+    return mc_grpo_advantages(rewards, group_ids, "mad")
 
 
 @ADVANTAGES.register("mc_grpo_released", summary="mc_grpo_mad plus nonzero advantages rescaled by n / #nonzero",
                      source="released code lotusroot-kim/MC-GRPO grpo_trainer_gsm.py (mc=True)")
-def mc_grpo_released_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    return mc_grpo_advantages(rewards, group_ids, "mad", rescale_nonzero=True).advantages
-
-
-PIVOTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    name: (lambda r, g: mc_grpo_pivot(r, g)[1]) for name in ("mc_grpo", "mc_grpo_mad", "mc_grpo_released")
-}
+def mc_grpo_released_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
+    return mc_grpo_advantages(rewards, group_ids, "mad", rescale_nonzero=True)
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
-    """Advantages [N] from the registered estimator `name` and the keep-mask [N] bool (all True unless the
-    estimator excludes samples from the gradient, as MC-GRPO's pivot). Raises KeyError for an unknown name."""
-    adv = ADVANTAGES.get(name)(rewards, group_ids)
-    keep = PIVOTS[name](rewards, group_ids) if name in PIVOTS else torch.ones_like(rewards, dtype=torch.bool)
-    return AdvantageResult(adv, keep)
+    """The registered estimator `name` on rewards [N], group_ids [N]: advantages [N] and the keep-mask [N] bool
+    (all True unless the estimator excludes samples from the gradient, as MC-GRPO's pivot). Raises KeyError for
+    an unknown name."""
+    return ADVANTAGES.get(name)(rewards, group_ids)

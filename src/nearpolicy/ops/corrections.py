@@ -53,18 +53,6 @@ def _check_bounds(lower: float, upper: float, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class TokenCorrection:
-    """Token-level correction kept for the trainer: = CorrectionSpec(level="token", action, lower, upper)."""
-
-    action: CorrectionAction = "off"
-    lower: float = 0.0
-    upper: float = math.inf
-
-    def __post_init__(self) -> None:
-        _check_bounds(self.lower, self.upper, "correction")
-
-
-@dataclass(frozen=True)
 class RejectionRule:
     """Accept iff lower <= stat <= upper. stat from lr = clamp(log rho, +-20) per defined token:
     log_ratio = lr, k1 = -lr, k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr; aggregated per `level` over the
@@ -268,21 +256,3 @@ def mismatch_correction(
     inputs [B, T]."""
     log_rho, defined = correction_log_ratio(spec.mode, logprobs, proximal_logprobs, rollout_logprobs, mask, has_rollout)
     return correct(spec, log_rho, defined, mask, normalizer)
-
-
-def token_correction_weights(
-    old_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    has_rollout: torch.Tensor,
-    correction: TokenCorrection,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Detached per-token weights [B, T] (1 at masked or missing positions, 0 for tokens the mask action
-    drops) and metrics (fraction of defined tokens clipped high / low, mean weight). Decoupled, token level."""
-    if correction.action not in ACTIONS:
-        raise ValueError(f"unknown correction action {correction.action!r}; valid: off, none, truncate, mask")
-    log_rho, defined = mismatch_log_ratio(old_logprobs, rollout_logprobs, mask, has_rollout)
-    spec = CorrectionSpec("token", correction.action, correction.lower, correction.upper)
-    result = correct(spec, log_rho, defined, mask)
-    keys = ("correction/frac_high", "correction/frac_low", "correction/weight_mean")
-    return result.weights.to(old_logprobs.dtype), {k: result.metrics[k] for k in keys}

@@ -3,13 +3,30 @@
 
 With log r = logprobs_pi - logprobs_mu on tokens sampled from mu (Schulman 2020, "Approximating KL
 divergence"): k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r, each averaged over tokens, estimate
-KL(mu || pi) in nats. Normalised ESS = (sum w)^2 / (n sum w^2) with w = r (in (0, 1]); chi2 = mean(w^2) - 1."""
+KL(mu || pi) in nats. Normalised ESS = (sum w)^2 / (n sum w^2) with w = r (in (0, 1]; `normalized_ess`, the one
+ESS of the library: token, lag, sequence and AIS reliability all call it); chi2 = mean(w^2) - 1."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from nearpolicy.ops.masked import SAFETY_BOUND, masked_max, masked_mean, select
+
+
+def normalized_ess(log_weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The one normalised effective sample size: (sum w)^2 / (n sum w^2) of w = exp(log_weights) over the n
+    positions where `mask` holds (any shape, the same for both), in (0, 1]; 1 when n = 0. Computed in float64 on
+    the weights divided by the largest, so sequence log-weights (sums over many tokens) do not overflow; the
+    caller clamps token log-weights (+-20) where its definition does. Detached float64 scalar."""
+    mask = mask.bool()
+    lw = select(log_weights.detach().double(), mask, fill=-math.inf).flatten()
+    n = mask.sum()
+    peak = lw.max() if lw.numel() else lw.new_zeros(())
+    w = (lw - torch.where(torch.isfinite(peak), peak, 0.0)).exp()  # largest weight exactly 1: no overflow, and
+    ess = w.sum() ** 2 / (n.clamp_min(1) * (w * w).sum().clamp_min(1e-300))  # equal weights give exactly 1
+    return torch.where(n > 0, ess, torch.ones((), dtype=torch.float64))
 
 
 def mismatch_metrics(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -20,15 +37,12 @@ def mismatch_metrics(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defin
     log_r = (select(pi_logprobs.double(), defined) - select(mu_logprobs.double(), defined)).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     w = log_r.exp()
     n = defined.sum()
-    sum_w = select(w, defined).sum()
-    sum_w2 = select(w * w, defined).sum()
-    ess = torch.where(n > 0, sum_w**2 / (n * sum_w2).clamp_min(1e-300), torch.ones((), dtype=w.dtype))
     return {
         "k1": masked_mean(-log_r, defined),
         "k2": masked_mean(0.5 * log_r**2, defined),
         "k3": masked_mean(w - 1 - log_r, defined),
         "chi2": masked_mean(w * w, defined) - torch.where(n > 0, 1.0, 0.0),
-        "ess": ess,
+        "ess": normalized_ess(log_r, defined),
         "max_abs_logprob_diff": masked_max(log_r.abs(), defined),
         "mean_abs_logprob_diff": masked_mean(log_r.abs(), defined),
         "prob_corr": probability_correlation(pi_logprobs, mu_logprobs, defined),
@@ -50,41 +64,6 @@ def probability_correlation(a_logprobs: torch.Tensor, b_logprobs: torch.Tensor, 
     if denom <= 0:
         return torch.ones((), dtype=torch.float64) if torch.equal(a, b) else torch.zeros((), dtype=torch.float64)
     return (da * db).sum() / denom
-def sequence_mismatch_metrics(
-    pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """Sequence-level mismatch diagnostics (float64 scalars, detached), over sequences with >= 1 defined token
-    (all zeros, ratio metrics 1, when there is none). pi = trainer (old_logprobs in decoupled mode), mu = engine.
-    Per sequence i with n_i defined tokens: log_ppl_pi = -mean_t lp_pi, log_ppl_mu = -mean_t lp_mu,
-      log_ppl_diff_i = mean_t lp_mu - mean_t lp_pi = log_ppl_pi - log_ppl_mu  (nats/token),
-      ppl_ratio_i = exp(log_ppl_diff_i) = ppl_pi / ppl_mu = 1 / geometric-mean ratio,
-      chi2_seq = mean_i exp(2 clamp(sum_t log r, +-20)) - 1, log r = lp_pi - lp_mu.
-    Returns log_ppl_diff (mean, abs mean, max, min), ppl_ratio (mean), training_ppl / rollout_ppl (mean of
-    per-sequence exp(log ppl)), chi2_seq, seqs. Source: verl compute_offpolicy_metrics (docs/math.md sec. 16)."""
-    defined = defined.bool()
-    pi = select(pi_logprobs.detach().double(), defined)
-    mu = select(mu_logprobs.detach().double(), defined)
-    n = defined.sum(-1).double()
-    seq = n > 0
-    mean_pi, mean_mu = pi.sum(-1) / n.clamp_min(1), mu.sum(-1) / n.clamp_min(1)
-    diff = mean_mu - mean_pi
-    log_r_sum = (pi - mu).sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    one = torch.ones((), dtype=torch.float64)
-    count = seq.sum()
-    m = lambda x: torch.where(seq, x, torch.zeros_like(x)).sum() / count.clamp_min(1)  # noqa: E731
-    return {
-        "log_ppl_diff": m(diff),
-        "log_ppl_diff_abs": m(diff.abs()),
-        "log_ppl_diff_max": torch.where(count > 0, select(diff, seq, fill=-torch.inf).max(), 0 * one),
-        "log_ppl_diff_min": torch.where(count > 0, select(diff, seq, fill=torch.inf).min(), 0 * one),
-        "ppl_ratio": torch.where(count > 0, m(diff.exp()), one),
-        "training_ppl": torch.where(count > 0, m((-mean_pi).exp()), one),
-        "rollout_ppl": torch.where(count > 0, m((-mean_mu).exp()), one),
-        "chi2_seq": torch.where(count > 0, m((2 * log_r_sum).exp()) - 1, 0 * one),
-        "seqs": count.double(),
-    }
-
-
 def fraction(indicator: torch.Tensor, mask: torch.Tensor, denominator: torch.Tensor | float | None = None) -> torch.Tensor:
     """Fraction of valid positions where a bool indicator [B, T] holds (clip / mask / rejection fractions);
     `denominator` overrides the count (a global token count, so micro-batch results add up)."""
@@ -113,7 +92,8 @@ def lag_ess(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined:
     (versions [B, T] < `version`) of a batch ([B, T] inputs): the lag weights DLC watches (docs/math.md sec. 19).
     1 when no token is stale."""
     stale = defined.bool() & (versions < version)
-    return mismatch_metrics(old_logprobs, rollout_logprobs, stale)["ess"]
+    log_r = select(old_logprobs.double(), stale) - select(rollout_logprobs.double(), stale)
+    return normalized_ess(log_r.clamp(-SAFETY_BOUND, SAFETY_BOUND), stale)
 
 
 def logprob_diff_quantiles(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor,
@@ -156,10 +136,7 @@ def sequence_ess(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: 
     than one such sequence."""
     defined = defined.bool()
     log_w = (select(pi_logprobs.double(), defined) - select(mu_logprobs.double(), defined)).sum(-1)
-    log_w = log_w[defined.any(-1)]
-    if log_w.numel() == 0:
-        return torch.ones((), dtype=torch.float64)
-    return (2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0)).exp() / log_w.numel()
+    return normalized_ess(log_w, defined.any(-1))
 
 
 def k3_standard_error(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor) -> torch.Tensor:

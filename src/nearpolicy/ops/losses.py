@@ -237,20 +237,3 @@ def policy_loss(
         if kl is not None:
             metrics["kl_ref"] = masked_sum(kl.detach(), mask) / tok
     return loss, metrics
-
-
-def ppo_clip_loss(
-    inp: PolicyLossInput, clip_low: float = PolicyLossParams.clip_low, clip_high: float = PolicyLossParams.clip_high,
-    dual_clip: float | None = PolicyLossParams.dual_clip
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip with optional dual clip, token-mean aggregated (kept for the trainer; = policy_loss("ppo_clip")).
-
-    L_t = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)); for A < 0 also min(L_t, -A c) (dual clip, c > 1);
-    L_t *= w_t (detached); loss = sum_valid L_t / token_denominator.
-    Returns (loss scalar with grad, metrics of detached scalars normalised by the same denominator, so that
-    summing them over micro-batches gives the accumulation-group mean).
-
-    Source: Schulman et al. arXiv:1707.06347 eq. 7; dual clip Ye et al. arXiv:1912.09729 eq. 5.
-    Raises ValueError if dual_clip <= 1.
-    """
-    return policy_loss("ppo_clip", inp, PolicyLossParams(clip_low, clip_high, dual_clip))

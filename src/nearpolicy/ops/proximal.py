@@ -12,11 +12,10 @@ clamped to +-20 before exp. docs/math.md secs. 12-14.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from nearpolicy.ops.masked import SAFETY_BOUND, clamped_exp, masked_mean, select
+from nearpolicy.ops.diagnostics import normalized_ess
+from nearpolicy.ops.masked import SAFETY_BOUND, masked_mean, select
 
 
 # -- PPO-EWMA (Hilton et al. arXiv:2110.00641; openai/ppo-ewma) ----------------------------------------------
@@ -32,19 +31,6 @@ def ewma_update(
     with torch.no_grad():
         new_sum = decay * weight_sum + 1
         return (decay * weight_sum / new_sum) * ewma + theta / new_sum, new_sum
-
-
-def ppo_ewma_weights(
-    prox_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor,
-    imp_samp_max: float = 100.0,
-) -> torch.Tensor:
-    """PPO-EWMA behaviour weight [B, T] detached: exp(prox - max(rollout, logprobs.detach() - log imp_samp_max)),
-    1 at masked positions. With this weight and old_logprobs := prox_logprobs, POLICY_LOSSES["ppo_clip"]
-    (dual_clip=None) equals openai/ppo-ewma's max(-A exp(lp - mu_adj), -A exp(clip(lp - prox) + prox - mu_adj))
-    exactly, since both terms share the factor exp(prox - mu_adj), constant in theta (docs/math.md sec. 12)."""
-    mask = mask.bool()
-    mu_adj = torch.maximum(select(rollout_logprobs.detach(), mask), select(logprobs.detach(), mask) - math.log(imp_samp_max))
-    return select(clamped_exp(select(prox_logprobs.detach(), mask) - mu_adj), mask, fill=1.0).detach()
 
 
 # -- A-3PO approximate proximal policy (arXiv:2512.06547; AReaL docs prox_approx.md) -------------------------
@@ -140,14 +126,6 @@ def proximal_logprobs(
 
 
 # -- DLC: discrepancy-lag correction (reconstruction; docs/math.md sec. 13) ----------------------------------
-def normalized_ess(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(sum w)^2 / (n sum w^2) over valid positions, in (0, 1]; 1 for an empty mask. weights, mask [B, T]."""
-    mask = mask.bool()
-    w = select(weights.detach().double(), mask)
-    n = mask.sum()
-    return torch.where(n > 0, w.sum() ** 2 / (n * (w * w).sum()).clamp_min(1e-300), torch.ones((), dtype=w.dtype))
-
-
 CENTERINGS = ("none", "log_mean", "weight_mean")
 """The kinds of `discrepancy_center` (config correction.center)."""
 
@@ -164,68 +142,6 @@ def discrepancy_center(log_rho: torch.Tensor, defined: torch.Tensor, kind: str =
     if kind == "weight_mean":
         return torch.log(masked_mean(lr.exp(), defined).clamp_min(1e-8))
     raise ValueError(f"unknown discrepancy centring {kind!r}; valid: {', '.join(CENTERINGS)}")
-
-
-def dlc_weights(
-    log_rho: torch.Tensor, defined: torch.Tensor, center: torch.Tensor | float, lower: float = 0.0, upper: float = math.inf
-) -> torch.Tensor:
-    """DLC discrepancy weight [B, T] detached: clamp(exp(log rho - c), lower, upper) at defined tokens, 1
-    elsewhere. Used as `weights` of POLICY_LOSSES["ppo_clip"] with old_logprobs = pi_old, whose clip is the
-    lag-ratio clip on r = exp(lp - old)."""
-    centred = select(log_rho.detach(), defined) - torch.as_tensor(center, dtype=log_rho.dtype)
-    return select(clamped_exp(centred).clamp(lower, upper), defined, fill=1.0).detach()
-
-
-def dlc_resync_signal(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, threshold: float = 0.5
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normalised ESS of the lag weights exp(lp - old) over valid tokens, bool scalar ESS < threshold): when
-    True the policy has drifted far from the sampler and the engine should be re-synced before sampling more."""
-    lag = clamped_exp(select(logprobs.detach(), mask) - select(old_logprobs.detach(), mask))
-    ess = normalized_ess(lag, mask)
-    return ess, ess < threshold
-
-
-def score_centering_term(
-    head_logprobs: torch.Tensor, head_rollout_logprobs: torch.Tensor, head_mask: torch.Tensor, mask: torch.Tensor,
-    lower: float | None = None, upper: float | None = None, icepop: bool = False,
-) -> torch.Tensor:
-    """Score-centering term C_t [B, T] (with grad through head_logprobs; 0 at masked positions).
-
-    At each position the engine reports its top-k set H (head_mask [B, T, K] bool): head_rollout_logprobs
-    [B, T, K] = log q(v) (engine), head_logprobs [B, T, K] = log p(v) (trainer, same transform, with grad).
-      rho_tail = (1 - sum_H q) / max(1 - sum_H p, 1e-6)
-      C_t = sum_{v in H} sg(mass(v) - alpha p(v)) log p(v)
-      no IS (lower = upper = None): mass = q, alpha = rho_tail
-      token TIS with w = clamp(p / q, lower, upper): mass = clamp(p, lower q, upper q), alpha = clamp(1, lower rho_tail,
-      upper rho_tail)
-      IcePop (icepop=True) with W(k) = k 1[lower <= k <= upper]: mass = p where lower <= p / q <= upper else 0,
-      alpha = 1 if lower <= 1 / rho_tail <= upper else 0
-    In general mass(v) = q(v) W(p(v) / q(v)) and alpha = rho_tail W(1 / rho_tail) for the token weight W (the tail
-    model q = rho_tail p inside the expectation). The loss adds A_t C_t per token, aggregated like the base loss.
-    With p = q on H (and so rho_tail = 1), C_t = 0 for every variant.
-    Source: NeMo-RL docs "score centering" (compute_score_centering_term), citing arXiv:2609.20807 eq. 14; the
-    docs' IcePop case is truncated, so the IcePop form is our reconstruction from the general rule above
-    (docs/math.md sec. 13)."""
-    valid = head_mask.bool() & mask.bool().unsqueeze(-1)
-    logp = select(head_logprobs, valid, fill=-math.inf)
-    logq = select(head_rollout_logprobs.detach(), valid, fill=-math.inf)
-    p, q = logp.detach().exp(), logq.exp()
-    rho_tail = (1 - q.sum(-1, keepdim=True)).clamp_min(0) / (1 - p.sum(-1, keepdim=True)).clamp_min(1e-6)
-    if icepop:
-        lo, hi = (0.0 if lower is None else lower), (math.inf if upper is None else upper)
-        inside = (p >= lo * q) & (p <= hi * q)  # lo <= p / q <= hi without dividing by q
-        tail_in = (lo * rho_tail <= 1) & (hi * rho_tail >= 1)  # lo <= 1 / rho_tail <= hi
-        mass, alpha = torch.where(inside, p, torch.zeros_like(p)), tail_in.to(p.dtype)
-    elif lower is None and upper is None:
-        mass, alpha = q, rho_tail
-    else:
-        lo = 0.0 if lower is None else lower
-        mass, alpha = torch.maximum(p, lo * q), torch.maximum(torch.ones_like(rho_tail), lo * rho_tail)
-        if upper is not None:
-            mass, alpha = torch.minimum(mass, upper * q), torch.minimum(alpha, upper * rho_tail)
-    coef = select(mass - alpha * p, valid).detach()
-    return select((coef * select(head_logprobs, valid)).sum(-1), mask.bool())
 
 
 # -- AIS mixing coefficient (reconstruction; docs/math.md sec. 14) -------------------------------------------
@@ -245,16 +161,9 @@ def ais_lambda(
     Reconstructed from the abstract of arXiv:2605.13907 (the paper's formulas are not public)."""
     lr = select(log_rho.detach().double(), defined).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     w = lr.exp()
-    reliability = normalized_ess(w, defined)
+    reliability = normalized_ess(lr, defined)
     severity = masked_mean(w - 1 - lr, defined).clamp_min(0)
     amplification = (masked_mean(w * w, defined) - 1).clamp_min(0)
     lam = severity / (severity + severity_scale) * reliability / (1 + amplification)
     return lam.clamp(0, 1), {"ais/reliability": reliability, "ais/severity": severity,
                              "ais/amplification": amplification, "ais/lambda": lam.clamp(0, 1)}
-
-
-def mix_weights(weights: torch.Tensor, lam: torch.Tensor | float, keep: torch.Tensor) -> torch.Tensor:
-    """w_eff = (1 - lambda) + lambda w at kept tokens, `weights` unchanged elsewhere ([B, T], detached). For a
-    loss linear in the weight this is (1 - lambda) g_uncorrected + lambda g_IS."""
-    lam = torch.as_tensor(lam, dtype=weights.dtype)
-    return torch.where(keep.bool(), (1 - lam) + lam * weights, weights).detach()
