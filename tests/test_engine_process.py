@@ -96,3 +96,27 @@ def test_engine_errors_raised_in_the_child_come_back_unchanged(tiny_gguf_factory
 def test_exit_descriptions():
     assert [exit_description(c) for c in (-11, -4, -6, -9, 1, 0)] == [
         "SIGSEGV", "SIGILL", "SIGABRT", "SIGKILL", "exit code 1", "exit code 0"]
+
+
+def test_the_crash_report_shows_only_the_newest_engine_process_log(tiny_gguf_factory, tmp_path, monkeypatch):
+    """The log is appended by every engine process of a run (a resume starts a new one): a report never shows an
+    earlier process's crash."""
+    monkeypatch.setenv(CRASH_HOOK, "greedy:1:SIGILL")
+    first = _process(tiny_gguf_factory("q8_0"), tmp_path)
+    with pytest.raises(EngineDied, match="SIGILL"):
+        first.greedy([PROMPT], 2)
+    monkeypatch.setenv(CRASH_HOOK, "greedy:1:SIGKILL")
+    second = _process(tiny_gguf_factory("q8_0"), tmp_path)
+    with pytest.raises(EngineDied) as died:
+        second.greedy([PROMPT], 2)
+    assert died.value.signal_name == "SIGKILL" and died.value.log_tail
+    assert not any("Fatal Python error" in line for line in died.value.log_tail)  # that was the first process
+    assert "Fatal Python error: Illegal instruction" in (tmp_path / "llamacpp.log").read_text()
+
+
+def test_the_engine_process_is_outside_the_trainers_process_group(tiny_gguf_factory, tmp_path):
+    import os
+
+    engine = _process(tiny_gguf_factory("q8_0"), tmp_path)
+    assert os.getpgid(engine.pid) == engine.pid != os.getpgid(0)
+    engine.close()

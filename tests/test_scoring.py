@@ -104,3 +104,21 @@ def test_a_task_that_cannot_reach_the_scoring_process_is_named():
         BoundedScorer(task, LIMIT_S)
     with pytest.raises(ValueError, match=r"task\.reward_timeout_s"):
         BoundedScorer(ScriptedTask(), 0)
+
+
+def test_a_scoring_process_killed_between_calls_is_restarted(scorer):
+    """An OOM kill or a stray signal between two steps: the next call restarts the process instead of failing."""
+    import os
+
+    assert [r.reward for r in scorer.score([("ok", PROBLEM)])] == [1.0]
+    os.kill(scorer._proc.pid, signal.SIGKILL)
+    scorer._proc.join(5)
+    assert [(r.reward, r.status) for r in scorer.score([("ok", PROBLEM), ("ok", PROBLEM)])] == [(1.0, "ok")] * 2
+
+
+def test_the_scoring_process_is_outside_the_trainers_process_group(scorer):
+    """A signal to the trainer's process group (Ctrl-C, scancel, kill -TERM -PGID) is the trainer's to handle."""
+    import os
+
+    scorer.score([("ok", PROBLEM)])
+    assert os.getpgid(scorer._proc.pid) == scorer._proc.pid != os.getpgid(0)

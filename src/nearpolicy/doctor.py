@@ -96,9 +96,9 @@ def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
             out += [engine_probe(False), engine_probe(True)]
     except ImportError as err:
         out.append(Check("llama-cpp-python", f"not importable ({err})", ok=False))
-    runs_dir = runs_dir if runs_dir.exists() else Path.cwd()
-    free_gb = shutil.disk_usage(runs_dir).free / 1e9
-    out.append(Check("disk", f"{free_gb:.1f} GB free at {runs_dir.resolve()} (a checkpoint of the main job: "
+    where = runs_dir.resolve() if runs_dir.exists() else f"{Path.cwd()} ({runs_dir} does not exist yet)"
+    free_gb = shutil.disk_usage(runs_dir if runs_dir.exists() else Path.cwd()).free / 1e9
+    out.append(Check("disk", f"{free_gb:.1f} GB free at {where} (a checkpoint of the main job: "
                      f"{CHECKPOINT_GB} GB, two kept)", ok=free_gb > 3 * CHECKPOINT_GB, required=False))
     chromium = shutil.which("chromium") or (Path("/usr/bin/chromium").exists() and "/usr/bin/chromium")
     out.append(Check("chromium", chromium or "absent (only the report test needs it)", ok=bool(chromium),

@@ -291,8 +291,8 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 # -- --resume ----------------------------------------------------------------------------------------------------------
 # may change on --resume (placement, not training, settings); everything else must match
 # engine.precision and engine.extra_buffers too: the way out after an engine crash (docs/reliability.md)
-RESUMABLE_KEYS = ("run.steps", "logging", "rollout.ray_address", "rollout.trainer_resources", "engine.precision",
-                  "engine.extra_buffers")
+RESUMABLE_KEYS = ("run.steps", "run.name", "run.output_dir", "logging", "rollout.ray_address",
+                  "rollout.trainer_resources", "engine.precision", "engine.extra_buffers")
 
 
 def check_same_config(saved_path: Path, cfg: Config) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from nearpolicy.config import Config, EngineConfig
+from nearpolicy.guards import check_task_prompts
 from nearpolicy.models import chat_prompt_ids, pad_token_id, stop_token_ids
 from nearpolicy.ops.correction_presets import describe_correction
 from nearpolicy.rollouts.base import RolloutSource
@@ -89,7 +90,10 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     log(f"correction: {plan['correction_effective']}")
     log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
         f"{plan['samples_per_step']} samples/step, run folder {run_dir}")
-    return Session(cfg, model, tokenizer, task, optimizer, template, engine_dir, stop_ids, plan, ref_model, teacher)
+    session = Session(cfg, model, tokenizer, task, optimizer, template, engine_dir, stop_ids, plan, ref_model, teacher)
+    # every prompt must fit the context before any engine starts (its startup probe would fail less clearly)
+    check_task_prompts(task, session.prompt_ids, cfg.model.max_context, cfg.sampling.max_new_tokens)
+    return session
 
 
 def _load_teacher(cfg: Config, tokenizer) -> torch.nn.Module | None:

@@ -17,7 +17,7 @@ import torch
 from nearpolicy.batching import collate
 from nearpolicy.config import Config
 from nearpolicy.engines.process import EngineDied
-from nearpolicy.guards import BadStepGuard, check_finite_weights, check_task_prompts
+from nearpolicy.guards import BadStepGuard, check_finite_weights
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.losses import PolicyLossParams
@@ -115,10 +115,8 @@ class Trainer:
         self.cfg, self.s, self.rollouts, self.log = cfg, session, rollouts, log
         self.run_dir = cfg.run.output_dir / cfg.run.name
         self.data = data if data is not None else data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
-        self.scorer = BoundedScorer(session.task, cfg.task.reward_timeout_s)
         self.sampling = sampling_params(cfg)
         self.settings = _update_settings(cfg)
-        check_task_prompts(session.task, session.prompt_ids, cfg.model.max_context, cfg.sampling.max_new_tokens)
         self.state = TrainState()
         self.guard = BadStepGuard(cfg.run.max_bad_steps)
         self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
@@ -130,6 +128,7 @@ class Trainer:
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
         write_json(self.run_dir / "plan.json", session.plan | {"data": self.data, "resumed_at_step": self.state.step})
         self.metrics = MetricsSink(self.run_dir, cfg.logging.tensorboard)
+        self.scorer = BoundedScorer(session.task, cfg.task.reward_timeout_s)  # last: nothing after it can fail
 
     # -- phases ----------------------------------------------------------------------------------
     def score(self, rollouts: list[Rollout], problems: dict[int, Problem]) -> dict[str, float]:
@@ -167,7 +166,12 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out problems with the in-process engine at the newest weights."""
-        engine = self.rollouts.eval_engine()
+        try:
+            engine = self.rollouts.eval_engine()
+        except EngineDied as died:  # replicas: refreshing the eval engine to the newest weights
+            died.at = died.at or f"step {self.state.step}"
+            died.phase = f"{died.phase} before the eval"
+            raise
         problems = self.s.task.eval_problems()
         completions = engine.greedy([self.s.prompt_ids(p) for p in problems], self.cfg.sampling.max_new_tokens)
         results = score_texts(self.scorer, self.s.tokenizer, completions, problems, f"eval at step {self.state.step}",

@@ -23,6 +23,8 @@ def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
         return None, (2, f"error: {err}")
     except EngineError as err:
         return None, (2, f"error: {err}\n{engine_advice(cfg)}")
+    except KeyboardInterrupt:  # Ctrl-C while loading: a run folder the attempt created is already removed
+        return None, (130, "interrupted during startup; nothing was trained")
 
 
 def engine_advice(cfg: Config) -> str:
@@ -33,7 +35,7 @@ def engine_advice(cfg: Config) -> str:
         tries.append("--set engine.extra_buffers=false (llama.cpp's AMX / repack buffers, ggml-org/llama.cpp#20824)")
     if e.precision not in ("f32", "f16", "bf16"):
         tries.append("--set engine.precision=f16 (unquantized kernels)")
-    tries.append("--set engine.kind=hf (the transformers engine)")
+    tries.append("in a new run (a new run.name), --set engine.kind=hf (the transformers engine)")
     return ("the llama.cpp engine failed on this machine; try " + ", or ".join(tries)
             + "; `nearpolicy doctor` prints what a bug report needs")
 
@@ -51,6 +53,13 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
         return stopped.exit_code, str(stopped)
     except EngineDied as died:
         where = last_checkpoint_said(trainer.run_dir)
+        if getattr(stop, "signum", None) is not None:  # a group signal reached the engine too: a stop, not a crash
+            import signal
+
+            name = signal.Signals(stop.signum).name
+            return 128 + stop.signum, (f"stopped by {name} at step {trainer.state.step}; the signal also ended the "
+                                       f"engine process ({died.signal_name} during {died.phase}), so the step in "
+                                       f"progress was not completed; {where}")
         return 1, (f"error: {died}\n{where}; engine.precision and engine.extra_buffers may change on --resume\n"
                    f"{engine_advice(trainer.cfg)}")
     except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
@@ -68,4 +77,5 @@ def last_checkpoint_said(run_dir) -> str:
 
     saved = list_checkpoints(run_dir)
     return (f"the last checkpoint {saved[-1]} is intact (continue with --resume)" if saved
-            else "no checkpoint was written yet")
+            else "no checkpoint was written yet (run again with --resume, which starts over in this folder, or set "
+                 "a new run.name)")

@@ -28,6 +28,7 @@ PHASES = {"generate": "rollout", "greedy": "eval", "score": "scoring", "update_w
           "probe": "startup probe"}
 CRASH_HOOK = "NEARPOLICY_TEST_ENGINE_CRASH"
 PROBE_TOKENS = 4
+LOG_MARKER = "--- nearpolicy engine process"
 
 
 class EngineDied(EngineError):
@@ -67,6 +68,8 @@ def tail_lines(path: Path | None, n: int = 6) -> list[str]:
         f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
         text = f.read().decode("utf-8", errors="replace")
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    start = max((i for i, line in enumerate(lines) if line.startswith(LOG_MARKER)), default=-1)
+    lines = lines[start + 1:]  # the newest engine process's own lines only
     crash = max((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), default=None)
     if crash is None:
         return lines[-n:]
@@ -170,7 +173,8 @@ class ProcessEngine:
 # -- the child -----------------------------------------------------------------------------------
 def serve(spec: EngineSpec, conn, log_path: str | None, probe_prompt: list[int] | None) -> None:
     """Child entry point: load the engine, probe it, then answer calls until "close" or the trainer is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the trainer decides
+    os.setpgrp()  # a signal to the trainer's process group (Ctrl-C, kill -TERM -PGID) is the trainer's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     log_fd = _log_to_file(log_path) if log_path else None
     crash = _CrashHook(os.environ.get(CRASH_HOOK, ""))
     try:
@@ -220,7 +224,7 @@ def _log_to_file(path: str) -> int:
     import faulthandler
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.write(fd, f"--- nearpolicy engine process {os.getpid()} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    os.write(fd, f"{LOG_MARKER} {os.getpid()} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
     faulthandler.enable(file=os.fdopen(os.dup(fd), "w"), all_threads=False)
     set_log_file(fd)
     return fd

@@ -60,6 +60,7 @@ def process_main(worker_id: int, spec: EngineSpec, inbox, outbox, interrupt_even
     import queue
     import signal
 
+    os.setpgrp()  # a signal to the trainer's process group (Ctrl-C, kill -TERM -PGID) is the trainer's to handle
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     orphaned = lambda: os.getppid() != parent  # noqa: E731 - the trainer was killed (SIGKILL): stop, do not linger

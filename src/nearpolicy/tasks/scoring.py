@@ -46,6 +46,9 @@ class ScoreResult:
 
 def _serve(conn, task: Task) -> None:
     """Child process: score each batch it receives, sending (index, reward, error) per item as it is done."""
+    import os
+
+    os.setpgrp()  # a signal to the trainer's process group (Ctrl-C, kill -TERM -PGID) is the trainer's to handle
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     warm_up = getattr(task, "warm_up", None)
     if callable(warm_up):
@@ -136,6 +139,8 @@ class BoundedScorer:
 
     def _score_some(self, items: Sequence[tuple[str, Problem]]) -> list[ScoreResult]:
         """Results for a prefix of `items`: all of them, or up to and including the first timeout / crash."""
+        if self._proc is not None and not self._proc.is_alive():  # died between calls (OOM kill, a stray signal)
+            self._kill()
         if self._proc is None:
             self._start()
         try:
