@@ -296,6 +296,10 @@ class LlamaCppEngine:
     def is_stop_token(self, token: int) -> bool:
         return _lib_is_eog(self._vocab, token)
 
+    def stop_token_ids(self) -> frozenset[int]:
+        """Every id this engine ends a response on (llama_vocab_is_eog over its vocabulary)."""
+        return _eog_ids(self._vocab)
+
     def _waves(self, requests: list[GenerationRequest]):
         """Split requests into waves of whole groups that fit in max_parallel sequences."""
         wave, used = [], 0
@@ -322,6 +326,12 @@ def _lib_is_eog(vocab, token: int) -> bool:
     return bool(_llama().llama_vocab_is_eog(vocab, token))
 
 
+def _eog_ids(vocab) -> frozenset[int]:
+    """llama_vocab_is_eog over the whole vocabulary of a loaded llama.cpp vocab."""
+    lib = _llama()
+    return frozenset(t for t in range(lib.llama_vocab_n_tokens(vocab)) if lib.llama_vocab_is_eog(vocab, t))
+
+
 def eog_token_ids(gguf_path: Path) -> frozenset[int]:
     """Every token id llama.cpp ends a response on (llama_vocab_is_eog over the whole vocabulary) for the GGUF at
     `gguf_path`, loaded vocabulary-only (a metadata-only GGUF from gguf_export.export_vocab_gguf will do). For
@@ -334,6 +344,6 @@ def eog_token_ids(gguf_path: Path) -> frozenset[int]:
         raise EngineError(f"llama.cpp could not load the vocabulary of {gguf_path}")
     try:
         vocab = lib.llama_model_get_vocab(model)
-        return frozenset(t for t in range(lib.llama_vocab_n_tokens(vocab)) if lib.llama_vocab_is_eog(vocab, t))
+        return _eog_ids(vocab)
     finally:
         lib.llama_model_free(model)

@@ -182,7 +182,7 @@ def serve(spec: EngineSpec, conn, log_path: str | None, probe_prompt: list[int] 
         crash.on("probe")
         if probe_prompt:
             probe(engine, probe_prompt)
-        stop_ids = [t for t in range(engine.n_vocab) if engine.is_stop_token(t)]
+        stop_ids = engine.stop_token_ids()
         if log_fd is not None:  # the first load is logged in full; each weight sync's reload only by its warnings
             set_log_file(log_fd, min_level=3)
     except Exception as err:  # noqa: BLE001 - reported to the trainer, which raises it
