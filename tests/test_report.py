@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from nearpolicy.cli import main
-from nearpolicy.report import PANELS, Panel, Run, load_run, render_panel, run_summary
+from nearpolicy.report import PANELS, Panel, Run, legend_name, load_run, panel_figure, render_panel, run_summary
 
 MAIN_JOB_METRICS = Path(__file__).parents[1] / "docs" / "runs" / "grpo-smollm2-chain-sum.metrics.jsonl"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -91,7 +91,7 @@ def test_fake_run_draws_recorded_panels_and_names_missing_ones(fake_run: Path):
     images = _images(page)
     assert len(images) == len(drawn)
     assert all(image.width == 800 and image.height == 340 for image in images)
-    for cell in ("<td>fake</td>", "<td>smollm2</td>", "<td>llamacpp:q8_0</td>", "<td>3 of 3</td>",
+    for cell in ("<th>fake</th>", "<td>smollm2</td>", "<td>llamacpp:q8_0</td>", "<td>3 of 3</td>",
                  "<td>0.500 (step 3)</td>", "<td>0.002 nats</td>", "<td>0.3 min</td>"):
         assert cell in page
 
@@ -137,7 +137,7 @@ def test_main_job_report_from_metrics_alone(main_job_run: Path):
     assert main(["report", str(main_job_run), "-o", str(main_job_run / "out.html")]) == 0
     page = (main_job_run / "out.html").read_text()
     median_k3 = statistics.median(row["mismatch/k3"] for row in rows if "mismatch/k3" in row)
-    for cell in ("<td>unknown (no config.json)</td>", "<td>unknown (no plan.json)</td>", "<td>30</td>",
+    for cell in ("<td>unknown (no config.json)</td>", "<td>not recorded</td>", "<td>30</td>",
                  "<td>0.492 (step 30)</td>", "<td>0.695 (step 20)</td>", f"<td>{median_k3:.3g} nats</td>"):
         assert cell in page
     assert len(_images(page)) == len(PANELS) - 1  # all but staleness
@@ -151,7 +151,7 @@ def test_compare_overlays_runs_and_names_what_one_lacks(tmp_path: Path, monkeypa
     assert main(["compare", str(first), str(second)]) == 0
     page = (tmp_path / "runs" / "compare.html").read_text()  # the default output
     assert "<h1>nearpolicy compare: run-a, run-b</h1>" in page
-    assert "<td>run-a</td>" in page and "<td>run-b</td>" in page
+    assert "<th>run-a</th>" in page and "<th>run-b</th>" in page
     assert "entropy (entropy): not recorded in run-b" in _sections(page)["Entropy"]
     assert len(_images(page)) == len(PANELS) - 1
 
@@ -161,7 +161,7 @@ def test_compare_labels_same_named_folders_by_path(tmp_path: Path):
     second = _write_run(tmp_path / "b" / "run", _fake_rows())
     assert main(["compare", str(first), str(second), "-o", str(tmp_path / "out.html")]) == 0
     page = (tmp_path / "out.html").read_text()
-    assert f"<td>{first}</td>" in page and f"<td>{second}</td>" in page
+    assert f"<th>{first}</th>" in page and f"<th>{second}</th>" in page
 
 
 def test_cut_short_last_line_is_skipped_with_a_warning(fake_run: Path, capsys: pytest.CaptureFixture):
@@ -209,15 +209,17 @@ def test_report_opens_in_headless_chromium_with_every_image_loaded(main_job_run:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
         try:
-            page = browser.new_page(viewport={"width": 1000, "height": 800})
+            page = browser.new_page(viewport={"width": 1400, "height": 800})
             page.goto(page_file.as_uri(), wait_until="load")
             loaded = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.complete && i.naturalWidth > 0)")
+            page_width = page.evaluate("document.documentElement.scrollWidth")
             screenshot = page.screenshot(full_page=True)
         finally:
             browser.close()
     assert loaded == [True] * (len(PANELS) - 1)
     image = Image.open(io.BytesIO(screenshot))
-    assert image.format == "PNG" and image.width == 1000 and image.height > 800
+    assert page_width <= 1400  # nothing wider than the window
+    assert image.format == "PNG" and image.width == 1400 and image.height > 800
     low, high = image.convert("L").getextrema()
     assert low < high
 
@@ -227,9 +229,48 @@ def test_summary_report_and_compare_show_each_runs_effective_correction(tmp_path
     first = _write_run(tmp_path / "run-a", _fake_rows(), plan={"engine": "llamacpp:q8_0", "correction_effective": icepop})
     second = _write_run(tmp_path / "run-b", _fake_rows(), plan={"engine": "llamacpp:q8_0", "correction_effective": tis})
     assert main(["summary", str(first)]) == 0
-    assert f"Correction: {icepop}\n" in capsys.readouterr().out
+    assert f"- correction: {icepop}\n" in capsys.readouterr().out
     assert main(["report", str(first), "-o", str(tmp_path / "one.html")]) == 0
     assert f"<td>{icepop}</td>" in (tmp_path / "one.html").read_text()
     assert main(["compare", str(first), str(second), "-o", str(tmp_path / "two.html")]) == 0
     page = (tmp_path / "two.html").read_text()
     assert "<th>correction</th>" in page and f"<td>{icepop}</td>" in page and f"<td>{tis}</td>" in page
+
+
+def test_summary_report_and_compare_say_what_each_run_is(tmp_path: Path, capsys: pytest.CaptureFixture):
+    config = {"algorithm": {"advantage": "grpo", "loss": "ppo_clip", "aggregation": "token-mean",
+                            "kl_estimator": "k3_is", "kl_coef": 0.01}, "correction": {"proximal": "ewma"}}
+    rows = _fake_rows()
+    rows[2] |= {"correction/frac_low": 0.125, "correction/rejected_frac": 0.25}
+    plan = {"engine": "llamacpp:q4_1", "correction_effective": "icepop: token mask [0.5, 5], decoupled"}
+    first = _write_run(tmp_path / "run-a", rows, config=config, plan=plan)
+    second = _write_run(tmp_path / "run-b", _fake_rows(), plan={"engine": "hf:fp32", "correction_effective": "off: x"})
+    assert main(["summary", str(first)]) == 0
+    out = capsys.readouterr().out
+    for line in ("- engine: llamacpp:q4_1\n", "- update: grpo / ppo_clip / token-mean\n", "- KL: k3_is x 0.01\n",
+                 "- proximal: ewma\n", "| correction/frac_low | 0.125 | 0.125 | 0.125 | 0.125 |\n",
+                 "| correction/rejected_frac | 0.25 | 0.25 | 0.25 | 0.25 |\n"):
+        assert line in out
+    assert main(["report", str(first), "-o", str(tmp_path / "one.html")]) == 0
+    page = (tmp_path / "one.html").read_text()
+    assert "<th>KL</th>" in page and "<td>k3_is x 0.01</td>" in page and "<td>llamacpp:q4_1</td>" in page
+    runs = [load_run(first), load_run(second)]
+    assert [legend_name(run) for run in runs] == ["run-a (llamacpp:q4_1, icepop)", "run-b (hf:fp32, off)"]
+    fig = panel_figure(PANELS[1], runs)  # eval accuracy: one line per run
+    assert fig.legends[0].get_texts()[0].get_text() == "run-a (llamacpp:q4_1, icepop)"
+
+
+def test_plots_have_whole_step_ticks_bands_inside_the_reward_range_and_legends_off_the_lines(tmp_path: Path):
+    rows = _fake_rows()
+    for row in rows[1:]:
+        row |= {"reward/mean": 0.9, "reward/std": 0.4}  # mean +- std runs past 1
+    run = load_run(_write_run(tmp_path / "r", rows))
+    fig = panel_figure(PANELS[0], [run])
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]
+    assert band.max() == pytest.approx(1.0) and band.min() == pytest.approx(0.5)
+    legend, axes_box = fig.legends[0].get_window_extent(), ax.get_window_extent()
+    assert legend.y1 <= axes_box.y0  # below the plotting area

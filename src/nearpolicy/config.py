@@ -10,11 +10,12 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from nearpolicy.config_checks import (ConfigError, aggregation_fits_loss, betas_in_range, check_batch_divides,
-                                      check_correction, check_rollout, check_sections_agree, describe_errors,
-                                      parse_override, registered)
+                                      check_correction, check_sections_agree, describe_errors, parse_override,
+                                      registered)
+from nearpolicy.config_sections import DistillConfig, RolloutConfig, Section
 from nearpolicy.engines.base import ENGINE_KINDS
 from nearpolicy.engines.gguf_export import PRECISIONS
 from nearpolicy.engines.hf import DTYPES as HF_DTYPES
@@ -29,16 +30,13 @@ from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS
 from nearpolicy.ops.self_normalize import SELF_NORMALIZE
 from nearpolicy.proximal_policy import PROXIMALS
 from nearpolicy.tasks.factory import TASK_KINDS
+from nearpolicy.trackers import WANDB_MODES
 from nearpolicy.types import SamplingParams
 
 __all__ = ["Config", "ConfigError", "load_config", "parse_override"]
 
 Precision = Literal[PRECISIONS]
 LOSS, SAMPLING = PolicyLossParams, SamplingParams  # the dataclasses whose defaults the config shares
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 class RunConfig(Section):
@@ -272,51 +270,6 @@ class CorrectionConfig(Section):
         return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
 
 
-class RolloutConfig(Section):
-    """Where rollouts come from: inline in the trainer process (engines = 0, synchronous) or engine replicas
-    running beside the trainer with bounded staleness (rollouts/scheduler.py)."""
-
-    backend: Literal["local", "ray"] = "local"
-    """local: replicas are processes on this machine; ray: Ray actors on the cluster ray.init reaches."""
-    engines: int = Field(0, ge=0, le=64)
-    """Engine replicas; 0 = the engine runs inline, synchronously (the default)."""
-    staleness: int = Field(0, ge=0, le=16)
-    """eta: a trained token is at most this many policy versions old; 0 = synchronous."""
-    partial: bool = False
-    """Partial rollouts (APRIL): a sample interrupted by a weight update keeps its tokens and continues with the
-    new weights (needs staleness >= 1); off: it restarts, so no sample mixes versions."""
-    overprovision: int = Field(0, ge=0, le=1024)
-    """Groups issued beyond the staleness budget (APRIL's N' - N): the step takes the first complete groups."""
-    resync_ess: float = Field(0.5, ge=0, le=1)
-    """DLC resync: when the ESS of the stale tokens' weights exp(old - rollout) falls below this, the next update
-    waits for samples of the newest weights; 0 disables."""
-    engine_threads: int = Field(1, ge=1, le=256)
-    """CPU threads per replica."""
-    ray_address: str | None = None
-    """ray backend: the cluster address (None: start or join a local instance)."""
-    trainer_resources: dict[str, float] = Field(default_factory=dict)
-    """ray backend: custom Ray resources the trainer actor needs, to place it on a chosen node, e.g.
-    {trainer = 1} with `ray start --resources='{"trainer": 1}'` on that node (docs/scaling.md)."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "RolloutConfig":
-        check_rollout(self)
-        return self
-
-
-class DistillConfig(Section):
-    """On-policy distillation: per-token reverse KL to a teacher on the student's samples (docs/math.md sec. 15)."""
-
-    teacher: str | None = None
-    """Teacher model ("smollm2", a GGUF or an HF folder with the same tokenizer); None = no distillation."""
-    coef: float = Field(1.0, gt=0)
-    """Token advantage A_t = -coef (log mu(y_t) - log pi_teacher(y_t)) (+ discounted future terms)."""
-    discount: float = Field(0.0, ge=0, le=1)
-    """gamma in [0, 1]: A_t also sums the later tokens' terms discounted by gamma^(k - t) (0 = per token only)."""
-    reward_weight: float = Field(0.0, ge=0)
-    """Weight of the task's GRPO-family advantage added to the distillation advantage (0 = pure distillation)."""
-
-
 class LoggingConfig(Section):
     """What the run writes and how often (may change on --resume)."""
 
@@ -328,6 +281,14 @@ class LoggingConfig(Section):
     """Newest checkpoints kept in the run folder; older ones are deleted."""
     tensorboard: bool = True
     """Mirror every scalar of metrics.jsonl to TensorBoard event files in run_dir/tensorboard."""
+    wandb: bool = False
+    """Mirror every scalar of metrics.jsonl to a Weights & Biases run in run_dir/wandb (needs `pip install wandb`;
+    the run id is the run folder's name, so a resumed run continues it)."""
+    wandb_project: str = "nearpolicy"
+    """The wandb project of logging.wandb."""
+    wandb_mode: Literal[WANDB_MODES] = "offline"
+    """offline: files only, no account or network (`wandb sync run_dir/wandb/offline-run-*` uploads later);
+    online: stream to the wandb server (needs `wandb login`)."""
     progress: bool = True
     """Draw a progress bar (reward, k3, accuracy) on stderr."""
     diagnostics: bool = True

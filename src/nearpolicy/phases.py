@@ -84,7 +84,12 @@ def eval_metrics(results: list[ScoreResult], completions: list[list[int]]) -> di
             "eval/response_length": float(np.mean([len(c) for c in completions]))}
 
 
-def progress_postfix(metrics: dict[str, float]) -> dict[str, str]:
-    """The progress bar's figures of a step: reward, k3 mismatch and eval accuracy (nan when not measured)."""
-    return dict(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}",
-                acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
+def progress_postfix(metrics: dict[str, float], before: dict[str, str] | None = None) -> dict[str, str]:
+    """The progress bar's figures after a step: reward, k3 mismatch, and the latest eval accuracy (kept from
+    `before`, the previous figures, on steps without an eval)."""
+    figures = dict(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}")
+    if metrics.get("eval/accuracy") is not None:
+        figures["acc"] = f"{metrics['eval/accuracy']:.2f}"
+    elif before and "acc" in before:
+        figures["acc"] = before["acc"]
+    return figures

@@ -19,9 +19,10 @@ from functools import cached_property
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from nearpolicy.runs import RunFolderError, read_json_object, read_metrics
-from nearpolicy.summary import effective_correction
+from nearpolicy.summary import describe_run
 
 NOT_RECORDED = "not recorded in this run"
 LINESTYLES = ("-", "--", ":", "-.")
@@ -77,11 +78,12 @@ def load_run(run_dir: Path) -> Run:
 @dataclass(frozen=True)
 class Series:
     """One line: the first of `keys` that a run records is drawn (a newer metric name before its older name);
-    `band` names a metric drawn as a +/- band around it."""
+    `band` names a metric drawn as a +/- band around it (clipped to `limits`, e.g. a reward's [0, 1])."""
 
     label: str
     keys: tuple[str, ...]
     band: str | None = None
+    limits: tuple[float, float] | None = None  # the metric's range: its band is clipped to it
 
     def key_in(self, run: Run) -> str | None:
         return next((key for key in self.keys if key in run.keys), None)
@@ -111,7 +113,7 @@ def _is_fraction(key: str) -> bool:
 
 DISCREPANCY_K3 = Series("numerical discrepancy", ("mismatch/discrepancy_k3", "mismatch/k3"))
 PANELS = (
-    Panel("Reward", "reward (mean ± std over samples)", (Series("reward", ("reward/mean",), band="reward/std"),)),
+    Panel("Reward", "reward (mean ± std over samples)", (Series("reward", ("reward/mean",), band="reward/std", limits=(0.0, 1.0)),)),
     Panel("Eval accuracy", "accuracy (greedy, held-out)", (Series("eval accuracy", ("eval/accuracy",)),)),
     Panel("Mismatch k3 by component (log scale)", "k3 estimate of KL (nats / token)",
           (DISCREPANCY_K3, Series("policy lag", ("mismatch/lag_k3",)), Series("total", ("mismatch/total_k3",)),
@@ -135,24 +137,36 @@ PANELS = (
 )
 
 
-def _plot_line(ax, run: Run, key: str, band: str | None, log_y: bool, style: dict) -> bool:
-    """Draw one run's metric; returns whether any point was drawn."""
+def _plot_line(ax, run: Run, key: str, series: Series, log_y: bool, style: dict) -> bool:
+    """Draw one run's metric (and its band); returns whether any point was drawn."""
     points = [(s, v) for s, v in zip(*run.series(key)) if v > 0 or not log_y]
     if not points:
         return False
     steps, values = [s for s, _ in points], [v for _, v in points]
     sparse = len(values) == 1 or len(values) < len(run.rows) / 2
     ax.plot(steps, values, marker="o" if sparse else None, markersize=4, **style)
-    if band is not None:
-        spread = dict(zip(*run.series(band)))
+    if series.band is not None:
+        spread = dict(zip(*run.series(series.band)))
         rows = [(s, v, spread[s]) for s, v in zip(steps, values) if s in spread]
-        ax.fill_between([s for s, _, _ in rows], [v - d for _, v, d in rows], [v + d for _, v, d in rows],
-                        color=style["color"], alpha=0.15, linewidth=0)
+        low, high = series.limits or (-math.inf, math.inf)
+        ax.fill_between([s for s, _, _ in rows], [max(v - d, low) for _, v, d in rows],
+                        [min(v + d, high) for _, v, d in rows], color=style["color"], alpha=0.15, linewidth=0)
     return True
 
 
 def render_panel(panel: Panel, runs: Sequence[Run]) -> bytes | None:
     """PNG bytes of `panel` over `runs` (one colour per run in a comparison), or None when no run records it."""
+    fig = panel_figure(panel, runs)
+    if fig is None:
+        return None
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def panel_figure(panel: Panel, runs: Sequence[Run]) -> Figure | None:
+    """The matplotlib figure of `panel` over `runs` (step ticks on whole numbers, legend below the axes), or None
+    when no run records it."""
     if not any(panel.lines(run) for run in runs):
         return None
     fig = Figure(figsize=(8, 3.4), dpi=100, layout="constrained")
@@ -164,20 +178,20 @@ def render_panel(panel: Panel, runs: Sequence[Run]) -> bytes | None:
             if len(runs) == 1:
                 style = {"color": f"C{s % 10}", "linestyle": "-", "label": series.label}
             else:
-                label = run.name if len(lines) == 1 else f"{run.name}: {series.label}"
+                label = legend_name(run) if len(lines) == 1 else f"{legend_name(run)}: {series.label}"
                 style = {"color": f"C{r % 10}", "linestyle": LINESTYLES[s % len(LINESTYLES)], "label": label}
-            drawn |= _plot_line(ax, run, key, series.band, panel.log_y, style)
+            drawn |= _plot_line(ax, run, key, series, panel.log_y, style)
     if drawn:
         ax.set_yscale("log" if panel.log_y else "linear")
-        ax.legend(fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        labels = len(ax.get_legend_handles_labels()[1])  # below the axes, so no legend covers a line
+        fig.legend(loc="outside lower center", ncols=min(labels, 3), fontsize=8, frameon=False)
     else:
         empty = "no positive values to draw on a log scale" if panel.log_y else "no finite values to draw"
         ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
     ax.set(xlabel="step", ylabel=panel.ylabel)
     ax.grid(alpha=0.3)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return fig
 
 
 def _missing_notes(panel: Panel, runs: Sequence[Run]) -> list[str]:
@@ -193,11 +207,10 @@ def _missing_notes(panel: Panel, runs: Sequence[Run]) -> list[str]:
 
 # -- header table and page -------------------------------------------------------------------------------------------
 def run_summary(run: Run) -> dict[str, str]:
-    """The header row of a run: name, model, engine, effective correction, steps, final and peak eval accuracy,
-    median k3, total time."""
+    """The header row of a run: name, model, what the run is (summary.describe_run: engine precision, update, KL,
+    effective correction, proximal), steps, final and peak eval accuracy, median k3, total time."""
     section = lambda name: run.config.get(name) if isinstance(run.config.get(name), dict) else {}  # noqa: E731
     model = section("model").get("path") or Path(str(run.plan.get("model_file", ""))).name
-    engine = run.plan.get("engine") or "unknown (no plan.json)"
     steps = max(row["step"] for row in run.rows)
     planned = section("run").get("steps")
     evals = list(zip(*run.series("eval/accuracy")))
@@ -206,8 +219,7 @@ def run_summary(run: Run) -> dict[str, str]:
     seconds = sum(run.series("time/step")[1])
     peak = max(evals, key=lambda point: point[1]) if evals else None
     return {
-        "run": run.name, "model": str(model or "unknown (no config.json)"), "engine": str(engine),
-        "correction": str(effective_correction(run.plan) or "unknown (no plan.json)"),
+        "run": run.name, "model": str(model or "unknown (no config.json)"), **describe_run(run.config, run.plan),
         "steps": f"{steps} of {planned}" if planned else str(steps),
         "final eval accuracy": f"{evals[-1][1]:.3f} (step {evals[-1][0]})" if evals else NOT_RECORDED,
         "peak eval accuracy": f"{peak[1]:.3f} (step {peak[0]})" if peak else NOT_RECORDED,
@@ -216,16 +228,28 @@ def run_summary(run: Run) -> dict[str, str]:
     }
 
 
+def legend_name(run: Run) -> str:
+    """A run's name in a comparison's legends: folder name, engine precision and correction preset, e.g.
+    "baseline (llamacpp:q8_0, tis)" (what plan.json does not record is left out)."""
+    described = describe_run(run.config, run.plan)
+    parts = [described["engine"], described["correction"].split(":")[0]]
+    recorded = [part for part in parts if part != "not recorded"]
+    return f"{run.name} ({', '.join(recorded)})" if recorded else run.name
+
+
 STYLE = """body{font-family:sans-serif;max-width:880px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;font-size:14px}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}
 img{max-width:100%}.note{color:#666;font-size:14px}.warning{color:#a40}"""
 
 
 def _table(runs: Sequence[Run]) -> str:
+    """One row per header field, one column per run (a long comparison grows down, not past the page's width)."""
     summaries = [run_summary(run) for run in runs]
-    head = "".join(f"<th>{html.escape(name)}</th>" for name in summaries[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in s.values()) + "</tr>" for s in summaries)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    cell = lambda tag, text: f"<{tag}>{html.escape(text)}</{tag}>"  # noqa: E731
+    rows = ["<tr>" + cell("th", "run") + "".join(cell("th", s["run"]) for s in summaries) + "</tr>"]
+    rows += ["<tr>" + cell("th", name) + "".join(cell("td", s[name]) for s in summaries) + "</tr>"
+             for name in summaries[0] if name != "run"]
+    return f"<table>{''.join(rows)}</table>"
 
 
 def _section(panel: Panel, runs: Sequence[Run]) -> str:

@@ -43,29 +43,28 @@ class RunFolderError(ValueError):
 
 
 class MetricsSink:
-    """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to metrics.jsonl (the record) and mirrors its finite scalars to the
+    trackers (trackers.open_trackers: TensorBoard, wandb)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, trackers=()):
         self.path = run_dir / METRICS
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
-
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.trackers = list(trackers)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        from nearpolicy.trackers import finite_scalars
+
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        scalars = finite_scalars(metrics)
+        for tracker in self.trackers:
+            tracker.log(step, scalars)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        """Close every tracker once (a second call does nothing)."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -8,8 +8,7 @@ from pathlib import Path
 from nearpolicy.runs import read_json_object, read_metrics
 
 MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/chi2", "mismatch/ess", "mismatch/max_abs_logprob_diff",
-                 "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2",
-                 "correction/frac_high"]
+                 "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2"]
 TIME_KEYS = ["time/rollout", "time/score", "time/recompute", "time/update", "time/sync", "time/eval", "time/step",
              "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"]
 
@@ -26,9 +25,25 @@ def effective_correction(plan: dict) -> str | None:
     return plan.get("correction_effective") or plan.get("correction")
 
 
+def describe_run(config: dict, plan: dict) -> dict[str, str]:
+    """What the run is, from config.json and plan.json (dicts; empty when absent): the engine and its precision, the
+    policy update (advantage, loss, aggregation), the KL term (estimator x coefficient), the effective correction
+    and the proximal policy. A field neither file records is "not recorded"."""
+    section = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}  # noqa: E731
+    a, c = section("algorithm"), section("correction")
+    absent = "not recorded"
+    update = " / ".join(str(a[k]) for k in ("advantage", "loss", "aggregation") if k in a) or absent
+    kl = f"{a['kl_estimator']} x {a.get('kl_coef', 0):g}" if "kl_estimator" in a else absent
+    if a.get("kl_coef") == 0:
+        kl += " (off)"
+    return {"engine": str(plan.get("engine") or absent), "update": update, "KL": kl,
+            "correction": str(effective_correction(plan) or absent), "proximal": str(c.get("proximal") or absent)}
+
+
 def summarize(run_dir: Path, warn=None) -> str:
-    """Markdown: the effective correction (from plan.json), eval accuracy per eval step, min / median / mean / max
-    of the main metrics and the training time. metrics.jsonl is read by runs.read_metrics; `warn(message)` gets
+    """Markdown: what the run is (describe_run: engine precision, update, KL, effective correction, proximal),
+    eval accuracy per eval step, min / median / mean / max of the main metrics (every correction/* metric the run
+    records among them) and the training time. metrics.jsonl is read by runs.read_metrics; `warn(message)` gets
     its warnings (a cut-short last line). Raises runs.RunFolderError for a missing or damaged file."""
     metrics = read_metrics(run_dir)
     for warning in metrics.warnings:
@@ -36,14 +51,16 @@ def summarize(run_dir: Path, warn=None) -> str:
     rows = metrics.rows
     steps = [r for r in rows if "reward/mean" in r]
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
-    correction = effective_correction(read_json_object(Path(run_dir) / "plan.json"))
-    out = [f"### Run `{Path(run_dir).name}`: {len(steps)} training steps", "",
-           f"Correction: {correction or 'not recorded (no plan.json)'}", "",
-           "| step | eval accuracy (greedy, held-out) |", "|---|---|"]
+    description = describe_run(read_json_object(Path(run_dir) / "config.json"),
+                               read_json_object(Path(run_dir) / "plan.json"))
+    out = [f"### Run `{Path(run_dir).name}`: {len(steps)} training steps", ""]
+    out += [f"- {name}: {value}" for name, value in description.items()]
+    out += ["", "| step | eval accuracy (greedy, held-out) |", "|---|---|"]
     out += [f"| {s} | {a:.3f} |" for s, a in evals]
     out += ["", "| metric | min | median | mean | max |", "|---|---|---|---|---|"]
+    recorded = {key for row in steps for key in row}
     for key in ["reward/mean", "reward/unscorable", "reward/timeouts", "response/length_mean", "entropy",
-                *MISMATCH_KEYS, *TIME_KEYS]:
+                *MISMATCH_KEYS, *sorted(k for k in recorded if k.startswith("correction/")), *TIME_KEYS]:
         st = _stats(steps, key)
         if st is not None:
             out.append(f"| {key} | " + " | ".join(f"{v:.4g}" for v in st) + " |")

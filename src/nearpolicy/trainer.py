@@ -33,6 +33,7 @@ from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
 from nearpolicy.tasks.identity import data_identity
 from nearpolicy.tasks.scoring import BoundedScorer
+from nearpolicy.trackers import open_trackers
 from nearpolicy.types import Rollout
 from nearpolicy.update import UpdateResult, UpdateSettings, policy_update
 
@@ -127,7 +128,7 @@ class Trainer:
         rollouts.start(self.state.version, self.state.data_position, self.state.scheduler)
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
         write_json(self.run_dir / "plan.json", session.plan | {"data": self.data, "resumed_at_step": self.state.step})
-        self.metrics = MetricsSink(self.run_dir, cfg.logging.tensorboard)
+        self.metrics = MetricsSink(self.run_dir, open_trackers(self.run_dir, cfg.logging, cfg.model_dump(mode="json")))
         self.scorer = BoundedScorer(session.task, cfg.task.reward_timeout_s)  # last: nothing after it can fail
 
     # -- phases ----------------------------------------------------------------------------------
@@ -225,8 +226,11 @@ class Trainer:
         cfg = self.cfg
         if self.state.step == 0:
             self.log(f"step 0: greedy eval on {len(self.s.task.eval_problems())} held-out problems...")
+            bar.set_postfix(phase="eval")
             first = self.evaluate()
             self.metrics.write(0, first)
+            self.postfix = {"acc": f"{first['eval/accuracy']:.2f}"}
+            bar.set_postfix(self.postfix)
             self.log(f"step 0 eval accuracy {first['eval/accuracy']:.3f}")
         while self.state.step < cfg.run.steps:
             if stop is not None and stop.signum is not None:
@@ -237,23 +241,26 @@ class Trainer:
             step = self.state.step
             metrics |= self.guard.observe(step, metrics, self.log)
             if step % cfg.logging.eval_every == 0 or step == cfg.run.steps:
+                bar.set_postfix(self.postfix | {"phase": "eval"})
                 t1 = time.perf_counter()
                 metrics |= self.evaluate()
                 metrics["time/eval"] = time.perf_counter() - t1
             metrics["time/step"] = time.perf_counter() - t0
             self.metrics.write(step, metrics)
+            self.postfix = progress_postfix(metrics, self.postfix)
             if step % cfg.logging.checkpoint_every == 0 or step == cfg.run.steps:
+                bar.set_postfix(self.postfix | {"phase": "checkpoint"})
                 self.checkpoint()
             self.guard.check(step)
-            self.postfix = progress_postfix(metrics)
+            bar.set_postfix(self.postfix, refresh=False)
             bar.update(1)
-            bar.set_postfix(self.postfix)
-        self.metrics.close()
         self.close()
         return self.run_dir
 
     def close(self) -> None:
-        """Stop the rollout source's engines and the scoring process; safe to call twice."""
+        """Close the metric trackers, stop the rollout source's engines and the scoring process; safe to call
+        twice."""
+        self.metrics.close()
         self.scorer.close()
         self.rollouts.close()
 

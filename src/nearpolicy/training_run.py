@@ -15,11 +15,12 @@ def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
     """(Trainer, None), or (None, (2, message)) when the run cannot start."""
     from nearpolicy.engines.base import EngineError
     from nearpolicy.runs import RunExistsError
+    from nearpolicy.trackers import TrackerError
     from nearpolicy.trainer import open_trainer
 
     try:
         return open_trainer(cfg, resume=resume, log=log), None
-    except (RunExistsError, OSError, ValueError) as err:
+    except (RunExistsError, OSError, ValueError, TrackerError) as err:
         return None, (2, f"error: {err}")
     except EngineError as err:
         return None, (2, f"error: {err}\n{engine_advice(cfg)}")

@@ -1,0 +1,59 @@
+"""The config sections that need no registry: the base Section (frozen, unknown keys rejected, field docs from the
+string under each field), [rollout] and [distill]. config.py assembles the whole schema."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nearpolicy.config_checks import check_rollout
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
+
+
+class RolloutConfig(Section):
+    """Where rollouts come from: inline in the trainer process (engines = 0, synchronous) or engine replicas
+    running beside the trainer with bounded staleness (rollouts/scheduler.py)."""
+
+    backend: Literal["local", "ray"] = "local"
+    """local: replicas are processes on this machine; ray: Ray actors on the cluster ray.init reaches."""
+    engines: int = Field(0, ge=0, le=64)
+    """Engine replicas; 0 = the engine runs inline, synchronously (the default)."""
+    staleness: int = Field(0, ge=0, le=16)
+    """eta: a trained token is at most this many policy versions old; 0 = synchronous."""
+    partial: bool = False
+    """Partial rollouts (APRIL): a sample interrupted by a weight update keeps its tokens and continues with the
+    new weights (needs staleness >= 1); off: it restarts, so no sample mixes versions."""
+    overprovision: int = Field(0, ge=0, le=1024)
+    """Groups issued beyond the staleness budget (APRIL's N' - N): the step takes the first complete groups."""
+    resync_ess: float = Field(0.5, ge=0, le=1)
+    """DLC resync: when the ESS of the stale tokens' weights exp(old - rollout) falls below this, the next update
+    waits for samples of the newest weights; 0 disables."""
+    engine_threads: int = Field(1, ge=1, le=256)
+    """CPU threads per replica."""
+    ray_address: str | None = None
+    """ray backend: the cluster address (None: start or join a local instance)."""
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    """ray backend: custom Ray resources the trainer actor needs, to place it on a chosen node, e.g.
+    {trainer = 1} with `ray start --resources='{"trainer": 1}'` on that node (docs/scaling.md)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RolloutConfig":
+        check_rollout(self)
+        return self
+
+
+class DistillConfig(Section):
+    """On-policy distillation: per-token reverse KL to a teacher on the student's samples (docs/math.md sec. 15)."""
+
+    teacher: str | None = None
+    """Teacher model ("smollm2", a GGUF or an HF folder with the same tokenizer); None = no distillation."""
+    coef: float = Field(1.0, gt=0)
+    """Token advantage A_t = -coef (log mu(y_t) - log pi_teacher(y_t)) (+ discounted future terms)."""
+    discount: float = Field(0.0, ge=0, le=1)
+    """gamma in [0, 1]: A_t also sums the later tokens' terms discounted by gamma^(k - t) (0 = per token only)."""
+    reward_weight: float = Field(0.0, ge=0)
+    """Weight of the task's GRPO-family advantage added to the distillation advantage (0 = pure distillation)."""

@@ -1,0 +1,65 @@
+"""Experiment trackers: a run with logging.wandb = true (offline) writes a wandb run whose history holds the
+metrics.jsonl scalars; the progress bar keeps the latest eval accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nearpolicy.config import load_config
+from nearpolicy.phases import progress_postfix
+from nearpolicy.trackers import TrackerError, WandbTracker, finite_scalars
+
+
+def _tiny_run(model_dir, out, *sets):
+    from nearpolicy.trainer import open_trainer
+
+    cfg = load_config(None, [f"model.path='{model_dir}'", f"run.output_dir='{out}'", "run.name=tracked", "run.steps=2",
+                             "run.threads=1", "algorithm.prompts_per_step=1", "algorithm.group_size=2",
+                             "algorithm.micro_batch_size=2", "sampling.max_new_tokens=4", "task.eval_size=2",
+                             "task.train_size=20", "logging.eval_every=1", "logging.checkpoint_every=100",
+                             "logging.progress=false", "model.max_context=256", "engine.kind=hf", *sets])
+    trainer = open_trainer(cfg, log=lambda _: None)
+    try:
+        return trainer.fit(progress=False)
+    finally:
+        trainer.close()
+
+
+def test_offline_wandb_run_records_the_metrics(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = _tiny_run(tiny_model_dir, tmp_path, "logging.wandb=true", "logging.tensorboard=true")
+    runs = list((run_dir / "wandb").glob("offline-run-*-tracked"))
+    assert len(runs) == 1, list((run_dir / "wandb").iterdir())
+    record = (runs[0] / "run-tracked.wandb").read_bytes()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    # the wandb record is protobuf: each history item holds the metric's key and its value as JSON text
+    for key in ("eval/accuracy", "reward/mean", "mismatch/k3", "time/step"):
+        assert key.encode() in record, key
+    assert json.dumps(rows[2]["time/step"]).encode() in record
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_wandb_failure_is_a_tracker_error(tmp_path, monkeypatch):
+    import wandb
+
+    def refuse(**_):
+        raise wandb.errors.UsageError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(TrackerError, match=r"wandb could not start \(online mode\): api_key not configured"):
+        WandbTracker(tmp_path, "p", "online", {})
+
+
+def test_trackers_get_only_finite_numbers():
+    assert finite_scalars({"a": 1.0, "b": float("nan"), "c": float("inf"), "d": 2, "e": True}) == {"a": 1.0, "d": 2.0}
+
+
+def test_progress_keeps_the_latest_eval_accuracy():
+    after_eval = progress_postfix({"reward/mean": 0.5, "mismatch/k3": 1e-3, "eval/accuracy": 0.25})
+    assert after_eval == {"reward": "0.50", "k3": "1.0e-03", "acc": "0.25"}
+    later = progress_postfix({"reward/mean": 0.75}, after_eval)
+    assert later == {"reward": "0.75", "k3": "nan", "acc": "0.25"}
+    assert "acc" not in progress_postfix({"reward/mean": 0.75})
