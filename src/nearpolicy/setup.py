@@ -75,6 +75,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
             resolve_model(cfg.distill.teacher)
         except (FileNotFoundError, ValueError) as err:
             raise ValueError(f"distill.teacher: {err}") from None
+    log(f"loading the policy {resolved.path} ({resolved.kind}) in float32...")
     model, tokenizer = load_policy(cfg.model.path)
     model.float()
     a = cfg.algorithm
@@ -84,8 +85,9 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     stop_ids = stop_token_ids(model, tokenizer, template, engine_dir)
     ref_model = None
     if a.kl_coef > 0:  # the reference policy: the model.path weights, frozen (the same after a resume)
+        log("loading the reference policy (algorithm.kl_coef > 0)...")
         ref_model = load_policy(cfg.model.path)[0].float().eval().requires_grad_(False)
-    teacher = _load_teacher(cfg, tokenizer)
+    teacher = _load_teacher(cfg, tokenizer, log)
     plan = _plan(cfg, resolved, model, task, stop_ids)
     log(f"correction: {plan['correction_effective']}")
     log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
@@ -96,11 +98,12 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     return session
 
 
-def _load_teacher(cfg: Config, tokenizer) -> torch.nn.Module | None:
+def _load_teacher(cfg: Config, tokenizer, log=print) -> torch.nn.Module | None:
     if cfg.distill.teacher is None:
         return None
     from nearpolicy.models import load_policy
 
+    log(f"loading the teacher {cfg.distill.teacher}...")
     try:
         teacher, teacher_tokenizer = load_policy(cfg.distill.teacher)
     except (FileNotFoundError, ValueError) as err:
@@ -159,7 +162,7 @@ def engine_weights(cfg: Config, session: Session) -> Callable[[], object]:
     return lambda: session.model.state_dict()
 
 
-def build_engine(cfg: Config, session: Session):
+def build_engine(cfg: Config, session: Session, log=print):
     """The in-process engine on the trainer's current weights. llamacpp runs in its own process (a native crash
     stops that process, not the trainer) and is probed on the exported GGUF before it is handed back; hf runs in
     this process."""
@@ -167,6 +170,7 @@ def build_engine(cfg: Config, session: Session):
     if e.kind == "llamacpp":
         from nearpolicy.engines.process import ProcessEngine
 
+        log(f"exporting the policy to GGUF ({_engine_precision(e)}) and starting the llama.cpp engine process...")
         probe_prompt = session.prompt_ids(session.task.train_problem(0))
         path = gguf_writer(cfg, session)(session.engine_dir)
         return ProcessEngine(engine_spec(cfg, path), f"llamacpp:{_engine_precision(e)}",
@@ -196,4 +200,4 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
 def assemble(cfg: Config, run_dir: Path, log=print) -> tuple[Session, RolloutSource]:
     """Everything a Trainer runs on: the session and its rollout source (with the in-process engine)."""
     session = build_session(cfg, run_dir, log)
-    return session, build_rollouts(cfg, session, build_engine(cfg, session), log)
+    return session, build_rollouts(cfg, session, build_engine(cfg, session, log), log)
