@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import sys
 import textwrap
 from pathlib import Path
 
@@ -86,11 +87,19 @@ def test_a_module_on_sys_path_and_a_file_path_give_the_same_function(rewards_fil
     assert by_module("abc", "x") == by_file("abc", "x") == 0.75
 
 
+def test_a_module_in_the_current_folder_is_found_without_pythonpath(tmp_path, monkeypatch):
+    (tmp_path / "cwd_rewards.py").write_text("def f(completion):\n    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert load_reward_function("cwd_rewards:f")[0]("x") == 0.5
+    assert str(tmp_path) in sys.path  # what the spawned scoring process inherits
+
+
 def test_the_function_gets_the_keyword_arguments_it_declares(rewards_file, tmp_path):
     task = make_task("jsonl", path=_jsonl(tmp_path, _rows(6)), eval_size=2, reward_function=f"{rewards_file}:everything")
     problem = task.eval_problems()[0]
     assert task.score("resp", problem) == 1.0
-    module = __import__("sys").modules["nearpolicy_reward_my_rewards"]
+    module = sys.modules["nearpolicy_reward_my_rewards"]
     # the first call is the start-up check: the first training problem, its answer as the completion
     first = task.train_problem(0)
     assert module.CALLS[0] == {"prompt": first.question, "completion": first.answer, "answer": first.answer,

@@ -1,7 +1,7 @@
 """Your own reward: a Python function named by ``task.reward_function`` replaces a task's built-in answer check.
 
-The spec is ``"module:function"`` (an importable module, e.g. on PYTHONPATH or beside the script that runs the
-training; ``"__main__:function"`` names a function of that script) or ``"path/to/file.py:function"``. The function
+The spec is ``"module:function"`` (an importable module: on PYTHONPATH, beside the script that runs the training,
+or in the current folder; ``"__main__:function"`` names a function of that script) or ``"path/to/file.py:function"``. The function
 is called once per response, with keyword arguments, and is given only the ones it declares (or all of them when it
 takes ``**kwargs``)::
 
@@ -54,6 +54,10 @@ def _import(module: str, spec: str):
             sys.modules.pop(name, None)
             raise ValueError(f"{where}: importing {path} failed: {type(err).__name__}: {err}") from err
         return loaded
+    top = module.split(".")[0]
+    if top not in sys.modules and str(Path.cwd()) not in sys.path and importlib.util.find_spec(top) is None:
+        # `nearpolicy train` run from the folder holding the module (spawned children inherit this sys.path)
+        sys.path.append(str(Path.cwd()))
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
