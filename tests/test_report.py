@@ -82,7 +82,8 @@ def test_fake_run_draws_recorded_panels_and_names_missing_ones(fake_run: Path):
     assert main(["report", str(fake_run)]) == 0
     page = (fake_run / "report.html").read_text()
     sections = _sections(page)
-    assert list(sections) == [panel.title for panel in PANELS]
+    assert list(sections) == [panel.title for panel in PANELS] + ["Eval samples"]
+    assert sections["Eval samples"] == "<p class='note'>not recorded in this run (samples.jsonl)</p>"
     drawn = {title for title, body in sections.items() if "data:image/png" in body}
     assert drawn == {panel.title for panel in PANELS} - {"Staleness"}
     assert "not recorded in this run (a synchronous run" in sections["Staleness"]

@@ -26,20 +26,11 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     if cfg is None:
         return 2
-    if cfg.rollout.backend == "ray":  # the trainer runs as a Ray actor; this process relays its output and signals
-        from nearpolicy.ray_trainer import train_in_ray_actor
+    from nearpolicy.api import run_training
 
-        return train_in_ray_actor(cfg, args.resume)
-    from nearpolicy.signals import GracefulStop
-    from nearpolicy.training_run import build_trainer, fit
-
-    trainer, failed = build_trainer(cfg, args.resume, log=lambda msg: print(msg, file=sys.stderr))
-    if trainer is None:
-        code, message = failed
-    else:
-        with GracefulStop() as stop:
-            code, message = fit(trainer, stop)
-    print(message, file=sys.stderr)
+    code, message = run_training(cfg, args.resume)
+    if message:
+        print(message, file=sys.stderr)
     return code
 
 

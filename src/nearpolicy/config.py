@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from nearpolicy.config_checks import (ConfigError, aggregation_fits_loss, betas_in_range, check_batch_divides,
-                                      check_correction, check_sections_agree, describe_errors, parse_override,
-                                      registered)
+                                      check_correction, check_sections_agree, check_task, describe_errors,
+                                      drop_replaced_task_options, parse_override, registered)
 from nearpolicy.config_sections import DistillConfig, RolloutConfig, Section
 from nearpolicy.engines.base import ENGINE_KINDS
 from nearpolicy.engines.gguf_export import PRECISIONS
@@ -142,7 +142,7 @@ class TaskConfig(Section):
     """reasoning-gym dataset name (kind = reasoning_gym)."""
     options: dict[str, Any] | None = None
     """Keyword options of the reasoning-gym dataset config; None = the dataset's defaults (for chain_sum: 2 terms
-    of 1 digit, see `resolved_options`)."""
+    of 1 digit, see `resolved_options`). A --set of task.kind or task.name drops the config file's options."""
     path: Path | None = None
     """JSONL file of {"prompt", "answer"} lines (kind = jsonl)."""
     skip_bad_lines: bool = False
@@ -163,17 +163,16 @@ class TaskConfig(Section):
         "Solve the problem. Think briefly, then give the final answer on the last line as: Answer: <number>"
     )
     """System message of the chat template put before each problem's prompt."""
+    reward_function: str | None = Field(None, pattern=r"^.+:[A-Za-z_]\w*$")
+    """Your own reward, "module:function" or "path/file.py:function", replacing the built-in answer check of either
+    kind: f(prompt, completion, answer, entry) -> float in [0, 1] (tasks/python_reward.py; README)."""
 
     def resolved_options(self) -> dict[str, Any]:
         if self.options is not None:
             return dict(self.options)
         return dict(DEFAULT_TASK_OPTIONS.get(self.name, {})) if self.kind == "reasoning_gym" else {}
 
-    @model_validator(mode="after")
-    def _jsonl_needs_path(self) -> "TaskConfig":
-        if self.kind == "jsonl" and self.path is None:
-            raise ValueError("task.path is required when task.kind = 'jsonl'")
-        return self
+    _jsonl_needs_path = model_validator(mode="after")(lambda self: check_task(self))
 
 
 class AlgorithmConfig(Section):
@@ -331,7 +330,8 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
 
     Layers: defaults < file < `--set`. A layer that changes correction.preset takes the new preset's own fields
     (level, action, lower, upper, mode, veto, mix, self_normalize) except those it sets itself; a lower layer's
-    values for them are dropped. Raises ConfigError naming the offending key."""
+    values for them are dropped; likewise a layer that changes task.kind or task.name drops a lower layer's
+    task.options. Raises ConfigError naming the offending key."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -345,6 +345,7 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     parsed = [(item, *parse_override(item)) for item in overrides]
     drop_replaced_preset_fields(data.get("correction"), CorrectionConfig().preset,
                                 {tuple(keys[1:]): value for _, keys, value in parsed if keys[0] == "correction"})
+    drop_replaced_task_options(data.get("task"), TaskConfig(), parsed)
     for item, keys, value in parsed:
         node = data
         for part in keys[:-1]:

@@ -99,6 +99,26 @@ def check_sections_agree(cfg) -> None:
                          f"({e.max_parallel_sequences}): a group is decoded in one batch")
 
 
+def check_task(t):
+    """[task]: kind = 'jsonl' needs a path. Returns the section (a model validator)."""
+    if t.kind == "jsonl" and t.path is None:
+        raise ValueError("task.path is required when task.kind = 'jsonl'")
+    return t
+
+
+def drop_replaced_task_options(section: dict | None, default, overrides: list[tuple[str, list[str], Any]]) -> None:
+    """Config layering (config.load_config): when the upper layer's `overrides` ((text, keys, value) of each --set)
+    change task.kind or task.name from the lower layer's raw [task] `section` (`default`: the TaskConfig defaults),
+    drop that section's task.options (in place): they are the keyword options of the lower layer's dataset
+    (configs/main.toml's chain_sum options would be refused by another dataset and by kind = 'jsonl'). Options the
+    upper layer sets itself still apply."""
+    if not isinstance(section, dict) or "options" not in section:
+        return
+    if any(keys == ["task", key] and value != section.get(key, getattr(default, key))
+           for _, keys, value in overrides for key in ("kind", "name")):
+        del section["options"]
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """"a.b=value" -> (["a", "b"], value); the value is read as a TOML literal, else kept as a string."""
     if "=" not in text:

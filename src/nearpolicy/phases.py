@@ -1,5 +1,5 @@
 """The helpers of a training step that need no Trainer state: scoring response texts, distillation advantages,
-mismatch diagnostics, and the metrics of a step and of an evaluation (floats for the sinks)."""
+mismatch diagnostics, the metrics of a step and of an evaluation (floats for the sinks), and an eval's samples."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from nearpolicy.config import Config
 from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
 from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.policy import recompute_logprobs
+from nearpolicy.samples import SAMPLES_PER_EVAL
 from nearpolicy.tasks import Problem
 from nearpolicy.tasks.scoring import BoundedScorer, ScoreResult
 from nearpolicy.types import Rollout, SamplingParams
@@ -22,7 +23,7 @@ def score_texts(scorer: BoundedScorer, tokenizer, completions: list[list[int]], 
     """Score each response text only (never the prompt), in one batch, each call within task.reward_timeout_s:
     NaN when the scorer raises or returns no number in [0, 1] (unscorable), 0 on a timeout. `phase` names the
     step or eval in the warning that failed calls get."""
-    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+    texts = [response_text(tokenizer, c) for c in completions]
     results = scorer.score(list(zip(texts, problems)))
     for status in ("error", "timeout"):
         failed = [r for r in results if r.status == status]
@@ -30,6 +31,23 @@ def score_texts(scorer: BoundedScorer, tokenizer, completions: list[list[int]], 
             log(f"warning: {phase}: {len(failed)} of {len(results)} reward call(s) "
                 f"{'unscorable' if status == 'error' else 'timed out'}, e.g. {failed[0].message}")
     return results
+
+
+def response_text(tokenizer, completion: list[int]) -> str:
+    """The text a reward sees: the completion ids decoded without special tokens."""
+    return tokenizer.decode(completion, skip_special_tokens=True)
+
+
+def eval_samples(step: int, tokenizer, problems: list[Problem], completions: list[list[int]],
+                 results: list[ScoreResult], count: int = SAMPLES_PER_EVAL) -> list[dict]:
+    """The rows of samples.jsonl (samples.py) for the first `count` eval problems: prompt, reference answer, the
+    response text exactly as the reward saw it, its reward and status."""
+    rows = []
+    for index, (problem, completion, result) in enumerate(list(zip(problems, completions, results))[:count]):
+        rows.append({"step": step, "index": index, "prompt": problem.question, "answer": problem.answer,
+                     "response": response_text(tokenizer, completion), "reward": result.reward,
+                     "status": result.status} | ({"message": result.message} if result.message else {}))
+    return rows
 
 
 def distill_advantages(cfg: Config, teacher: torch.nn.Module, batch: TokenBatch, task_advantages: torch.Tensor,

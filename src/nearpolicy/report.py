@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from nearpolicy.runs import RunFolderError, read_json_object, read_metrics
+from nearpolicy.samples import read_samples
 from nearpolicy.summary import describe_run
 
 NOT_RECORDED = "not recorded in this run"
@@ -42,6 +43,8 @@ class Run:
     config: dict = field(default_factory=dict)
     plan: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    samples: list[dict] = field(default_factory=list)
+    """samples.jsonl's rows (samples.py): a few eval responses per eval."""
 
     @cached_property
     def keys(self) -> set[str]:
@@ -70,8 +73,9 @@ def load_run(run_dir: Path) -> Run:
     metrics = read_metrics(run_dir)
     if not metrics.rows:
         raise ReportError(f"{run_dir / 'metrics.jsonl'} holds no metric rows")
+    samples, sample_warnings = read_samples(run_dir)
     return Run(run_dir.resolve().name, metrics.rows, read_json_object(run_dir / "config.json"),
-               read_json_object(run_dir / "plan.json"), metrics.warnings)
+               read_json_object(run_dir / "plan.json"), metrics.warnings + sample_warnings, samples)
 
 
 # -- panels ----------------------------------------------------------------------------------------------------------
@@ -262,11 +266,46 @@ def _section(panel: Panel, runs: Sequence[Run]) -> str:
     return f"<section><h2>{title}</h2>{image}{notes}</section>"
 
 
+SAMPLE_EVALS = 3  # the newest evals whose samples the report shows
+SAMPLE_CHARS = 800  # a prompt or response longer than this is cut, with "..." appended
+
+
+def _cut(text, limit: int = SAMPLE_CHARS) -> str:
+    text = "" if text is None else str(text)
+    return html.escape(text if len(text) <= limit else text[:limit] + "...")
+
+
+def samples_section(runs: Sequence[Run]) -> str:
+    """"Eval samples": for each run, the samples of its newest SAMPLE_EVALS evals (newest first), one table per eval
+    with prompt, reference answer, response and reward, all HTML-escaped."""
+    parts = []
+    for run in runs:
+        title = f"<h3>{html.escape(run.name)}</h3>" if len(runs) > 1 else ""
+        steps = sorted({row["step"] for row in run.samples}, reverse=True)[:SAMPLE_EVALS]
+        if not steps:
+            parts.append(f"{title}<p class='note'>{NOT_RECORDED} (samples.jsonl)</p>")
+        for step in steps:
+            rows = "".join(
+                f"<tr><td>{row.get('index', '')}</td><td style='white-space:pre-wrap'>{_cut(row.get('prompt'))}</td>"
+                f"<td>{_cut(row.get('answer'), 80)}</td><td style='white-space:pre-wrap'>{_cut(row.get('response'))}"
+                f"</td><td>{_reward_text(row)}</td></tr>" for row in run.samples if row["step"] == step)
+            parts.append(f"{title}<h4>eval at step {step}</h4><table><tr><th>#</th><th>prompt</th><th>answer</th>"
+                         f"<th>response</th><th>reward</th></tr>{rows}</table>")
+    return f"<section><h2>Eval samples</h2>{''.join(parts)}</section>"
+
+
+def _reward_text(row: dict) -> str:
+    reward = row.get("reward")
+    shown = f"{reward:.3g}" if _is_finite_number(reward) else "unscorable"
+    status = row.get("status", "ok")
+    return html.escape(shown if status == "ok" else f"{shown} ({status}: {row.get('message', '')})")
+
+
 def render_html(runs: Sequence[Run]) -> str:
     """The self-contained HTML page: header table, read warnings, then one section per panel."""
     title = ("nearpolicy report: " if len(runs) == 1 else "nearpolicy compare: ") + ", ".join(r.name for r in runs)
     warnings = "".join(f"<p class='warning'>{html.escape(w)}</p>" for run in runs for w in run.warnings)
-    sections = "".join(_section(panel, runs) for panel in PANELS)
+    sections = "".join(_section(panel, runs) for panel in PANELS) + samples_section(runs)
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{_table(runs)}{warnings}{sections}"
             "</body></html>\n")

@@ -16,6 +16,7 @@ from nearpolicy.models import chat_prompt_ids, pad_token_id, stop_token_ids
 from nearpolicy.ops.correction_presets import describe_correction
 from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.tasks import Problem, Task, make_task
+from nearpolicy.tasks.factory import describe_task
 from nearpolicy.types import SamplingParams
 
 
@@ -53,7 +54,8 @@ def build_task(cfg: Config) -> Task:
     """The task of cfg.task (seeded by run.seed). Raises what tasks.make_task raises."""
     t = cfg.task
     return make_task(t.kind, name=t.name, options=t.resolved_options(), path=t.path, train_size=t.train_size,
-                     eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines)
+                     eval_size=t.eval_size, seed=cfg.run.seed, eval_seed=t.eval_seed, skip_bad_lines=t.skip_bad_lines,
+                     reward_function=t.reward_function)
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -70,6 +72,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     torch.set_num_threads(cfg.run.threads)
     resolved = resolve_model(cfg.model.path)
     task = build_task(cfg)
+    log(describe_task(task))
     if cfg.distill.teacher is not None:
         try:
             resolve_model(cfg.distill.teacher)

@@ -21,13 +21,14 @@ from nearpolicy.guards import BadStepGuard, check_finite_weights
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.phases import (distill_advantages, eval_metrics, mismatch_diagnostics, progress_postfix, score_texts,
-                               step_metrics)
+from nearpolicy.phases import (distill_advantages, eval_metrics, eval_samples, mismatch_diagnostics, progress_postfix,
+                               score_texts, step_metrics)
 from nearpolicy.policy import recompute_logprobs
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.runs import (MetricsSink, RunExistsError, check_resume, list_checkpoints, note_engine_precision,
                              resume_checkpoint, save_checkpoint, write_json)
+from nearpolicy.samples import SampleLog
 from nearpolicy.setup import Session, assemble, sampling_params
 from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
@@ -129,6 +130,7 @@ class Trainer:
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
         write_json(self.run_dir / "plan.json", session.plan | {"data": self.data, "resumed_at_step": self.state.step})
         self.metrics = MetricsSink(self.run_dir, open_trackers(self.run_dir, cfg.logging, cfg.model_dump(mode="json")))
+        self.samples = SampleLog(self.run_dir, resumed_at=self.state.step)  # a few eval responses per eval
         self.scorer = BoundedScorer(session.task, cfg.task.reward_timeout_s)  # last: nothing after it can fail
 
     # -- phases ----------------------------------------------------------------------------------
@@ -177,6 +179,7 @@ class Trainer:
         completions = engine.greedy([self.s.prompt_ids(p) for p in problems], self.cfg.sampling.max_new_tokens)
         results = score_texts(self.scorer, self.s.tokenizer, completions, problems, f"eval at step {self.state.step}",
                               self.log)
+        self.samples.write(eval_samples(self.state.step, self.s.tokenizer, problems, completions, results))
         return eval_metrics(results, completions)
 
     def train_step(self) -> dict[str, float]:

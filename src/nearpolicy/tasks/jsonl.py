@@ -59,8 +59,9 @@ def math_equal(reference: str, response: str) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=_timeout()) else 0.0
 
 
-def _read_line(data: bytes) -> dict | str:
-    """The item on one line, or a string saying what is wrong with it."""
+def _read_line(data: bytes, answer_required: bool = True) -> dict | str:
+    """The item on one line, or a string saying what is wrong with it (an absent "answer" is "" when not
+    ``answer_required``)."""
     try:
         raw = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -71,10 +72,10 @@ def _read_line(data: bytes) -> dict | str:
         return f"invalid JSON ({exc.msg})"
     if not isinstance(item, dict):
         return f"expected a JSON object, got {type(item).__name__}"
-    missing = [key for key in ("prompt", "answer") if key not in item]
+    missing = [key for key in ("prompt", "answer")[: 2 if answer_required else 1] if key not in item]
     if missing:
         return f"missing key(s) {missing}"
-    prompt, answer = item["prompt"], item["answer"]
+    prompt, answer = item["prompt"], item.setdefault("answer", "")
     if not isinstance(prompt, str):
         return f"'prompt' must be a string, got {type(prompt).__name__}"
     if not prompt.strip():
@@ -89,7 +90,8 @@ class JsonlTask:
 
     ``eval_size`` items (at most half of the file; ``self.eval_size`` is the size used) are drawn
     with ``random.Random(eval_seed)`` and held out; the rest, shuffled with ``random.Random(seed)``,
-    form the training pool. Blank lines are ignored.
+    form the training pool. Blank lines are ignored. Other keys of a line are kept in ``Problem.entry``; with
+    ``answer_required=False`` (a task.reward_function scores the responses) a line may leave out "answer" ("").
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -105,8 +107,9 @@ class JsonlTask:
         seed: int,
         eval_seed: int,
         skip_bad_lines: bool = False,
+        answer_required: bool = True,
     ) -> None:
-        self.path = Path(path)
+        self.path, self.answer_required = Path(path), answer_required
         if eval_size < 0:
             raise ValueError(f"task.eval_size must be >= 0, got {eval_size}")
         self.name = f"jsonl:{self.path.name}"
@@ -129,7 +132,7 @@ class JsonlTask:
             for lineno, data in enumerate(handle, start=1):
                 if not data.strip():
                     continue
-                item = _read_line(data)
+                item = _read_line(data, self.answer_required)
                 if isinstance(item, str):
                     self.skipped_lines.append(lineno)
                     errors.append(f"line {lineno}: {item}")
