@@ -63,3 +63,46 @@ def test_progress_keeps_the_latest_eval_accuracy():
     later = progress_postfix({"reward/mean": 0.75}, after_eval)
     assert later == {"reward": "0.75", "k3": "nan", "acc": "0.25"}
     assert "acc" not in progress_postfix({"reward/mean": 0.75})
+
+
+class _SilentEvalSource:
+    """A rollout source wrapper whose eval engine answers every prompt with an empty response."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def eval_engine(self):
+        class Empty:
+            def greedy(self, prompts, max_new_tokens):
+                return [[] for _ in prompts]
+
+        return Empty()
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
+@pytest.mark.parametrize("eval_policy", ["engine", "trainer"])
+def test_eval_policy_picks_the_model_the_eval_runs(tiny_model_dir, tmp_path, eval_policy):
+    from nearpolicy import setup
+    from nearpolicy.engines.hf import HFEngine
+    from nearpolicy.trainer import open_trainer
+
+    def build(cfg, run_dir, log):
+        session, source = setup.assemble(cfg, run_dir, log)
+        return session, _SilentEvalSource(source)
+
+    cfg = load_config(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'", "run.name=e",
+                             "run.threads=1", "task.eval_size=3", "sampling.max_new_tokens=5", "engine.kind=hf",
+                             "logging.tensorboard=false", "model.max_context=256", f"logging.eval_policy={eval_policy}"])
+    trainer = open_trainer(cfg, log=lambda _: None, build=build)
+    try:
+        metrics = trainer.evaluate()
+        prompts = [trainer.s.prompt_ids(p) for p in trainer.s.task.eval_problems()]
+        policy = HFEngine(trainer.s.model, trainer.s.stop_ids).greedy(prompts, 5)
+    finally:
+        trainer.close()
+    expected = sum(map(len, policy)) / 3 if eval_policy == "trainer" else 0.0
+    assert expected > 0 or eval_policy == "engine"
+    assert metrics["eval/response_length"] == pytest.approx(expected, abs=1e-9)
+    assert trainer.s.plan["eval_policy"] == {"engine": "rollout engine", "trainer": "trainer:fp32"}[eval_policy]

@@ -278,6 +278,10 @@ class LoggingConfig(Section):
     """Checkpoint every this many steps (and at the last step, and on SIGINT / SIGTERM)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Newest checkpoints kept in the run folder; older ones are deleted."""
+    eval_policy: Literal["engine", "trainer"] = "engine"
+    """Which model the greedy held-out eval runs: engine = the rollout engine at its precision (what the run
+    samples from, so eval accuracy and rollouts agree); trainer = the trainer's fp32 policy (transformers, slower;
+    what `nearpolicy export` writes)."""
     tensorboard: bool = True
     """Mirror every scalar of metrics.jsonl to TensorBoard event files in run_dir/tensorboard."""
     wandb: bool = False

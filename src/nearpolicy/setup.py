@@ -122,6 +122,7 @@ def _plan(cfg: Config, resolved, model, task: Task, stop_ids: set[int]) -> dict:
         "model_file": str(resolved.path), "model_kind": resolved.kind,
         "parameters": sum(p.numel() for p in model.parameters()),
         "engine": f"{cfg.engine.kind}:{_engine_precision(cfg.engine)}",
+        "eval_policy": "trainer:fp32" if cfg.logging.eval_policy == "trainer" else "rollout engine",
         "samples_per_step": a.group_size * a.prompts_per_step,
         "samples_per_minibatch": a.group_size * a.prompts_per_step // a.minibatches,
         "total_samples": a.group_size * a.prompts_per_step * cfg.run.steps,
@@ -181,6 +182,14 @@ def build_engine(cfg: Config, session: Session, log=print):
     from nearpolicy.engines.hf import HFEngine
 
     return HFEngine(session.model, session.stop_ids, dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)
+
+
+def policy_engine(session: Session):
+    """An hf engine on a copy of the trainer's current fp32 policy (the eval of logging.eval_policy = "trainer")."""
+    from nearpolicy.engines.hf import HFEngine
+
+    e = session.cfg.engine
+    return HFEngine(session.model, session.stop_ids, dtype="fp32", max_parallel_sequences=e.max_parallel_sequences)
 
 
 def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutSource:

@@ -27,7 +27,7 @@ def effective_correction(plan: dict) -> str | None:
 
 def describe_run(config: dict, plan: dict) -> dict[str, str]:
     """What the run is, from config.json and plan.json (dicts; empty when absent): the engine and its precision, the
-    policy update (advantage, loss, aggregation), the KL term (estimator x coefficient), the effective correction
+    model the eval runs, the policy update (advantage, loss, aggregation), the KL term (estimator x coefficient), the effective correction
     and the proximal policy. A field neither file records is "not recorded"."""
     section = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}  # noqa: E731
     a, c = section("algorithm"), section("correction")
@@ -36,7 +36,8 @@ def describe_run(config: dict, plan: dict) -> dict[str, str]:
     kl = f"{a['kl_estimator']} x {a.get('kl_coef', 0):g}" if "kl_estimator" in a else absent
     if a.get("kl_coef") == 0:
         kl += " (off)"
-    return {"engine": str(plan.get("engine") or absent), "update": update, "KL": kl,
+    return {"engine": str(plan.get("engine") or absent), "eval policy": str(plan.get("eval_policy") or absent),
+            "update": update, "KL": kl,
             "correction": str(effective_correction(plan) or absent), "proximal": str(c.get("proximal") or absent)}
 
 

@@ -29,7 +29,7 @@ from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.runs import (MetricsSink, RunExistsError, check_resume, list_checkpoints, note_engine_precision,
                              resume_checkpoint, save_checkpoint, write_json)
 from nearpolicy.samples import SampleLog
-from nearpolicy.setup import Session, assemble, sampling_params
+from nearpolicy.setup import Session, assemble, policy_engine, sampling_params
 from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
 from nearpolicy.tasks.identity import data_identity
@@ -168,9 +168,10 @@ class Trainer:
         self.rollouts.publish(self.state.version)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out problems with the in-process engine at the newest weights."""
+        """Greedy accuracy on the held-out problems with the in-process engine at the newest weights, or the
+        trainer's fp32 policy (logging.eval_policy)."""
         try:
-            engine = self.rollouts.eval_engine()
+            engine = self.rollouts.eval_engine() if self.cfg.logging.eval_policy == "engine" else policy_engine(self.s)
         except EngineDied as died:  # replicas: refreshing the eval engine to the newest weights
             died.at = died.at or f"step {self.state.step}"
             died.phase = f"{died.phase} before the eval"
