@@ -92,7 +92,7 @@ class JsonlTask:
     form the training pool. Blank lines are ignored.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
+        FileNotFoundError: ``path`` does not exist (the message names task.path).
         ValueError: bad lines (naming the file and the 1-based line numbers) unless
             ``skip_bad_lines``, in which case they are skipped and listed in ``self.skipped_lines``;
             no usable lines; ``eval_size`` < 0.
@@ -107,6 +107,8 @@ class JsonlTask:
         skip_bad_lines: bool = False,
     ) -> None:
         self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"task.path {self.path} does not exist")
         if eval_size < 0:
             raise ValueError(f"task.eval_size must be >= 0, got {eval_size}")
         self.name = f"jsonl:{self.path.name}"
