@@ -98,7 +98,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from nearpolicy.diagnosis.run import DiagnoseSettings, run_diagnosis
+    from nearpolicy.diagnosis.run import DiagnoseSettings, markdown_table, run_diagnosis
     from nearpolicy.engines.base import EngineError
 
     cfg = _load_config(args)
@@ -114,8 +114,11 @@ def _diagnose(args: argparse.Namespace) -> int:
     except (ValueError, OSError, EngineError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    verdict = "every candidate admitted" if code == 0 else "at least one candidate rejected"
-    print(f"{verdict}; wrote {args.out / 'diagnose.json'}", file=sys.stderr)
+    rejected = sum(not c["admitted"] for c in report["candidates"])
+    print(markdown_table(report))  # the table and verdicts on stdout (`> table.md`); progress and logs on stderr
+    print("\nevery candidate admitted" if not rejected else
+          f"\n{rejected} of {len(report['candidates'])} candidate(s) rejected")
+    print(f"wrote {args.out / 'diagnose.json'}, .csv and position.png", file=sys.stderr)
     return code
 
 
@@ -125,7 +128,8 @@ def _add_diagnose(sub) -> None:
     d = sub.add_parser("diagnose", help="measure engine/trainer mismatch of rollout configurations; admission check",
                        description="Sample responses from each candidate rollout configuration, recompute the "
                        "trainer's log-probs and admit or reject each against a k3 budget calibrated on the noise "
-                       "floor (trainer vs the f32 engine). Exit 0 when every candidate is admitted, 1 otherwise.")
+                       "floor (trainer vs the f32 engine). The table and a verdict line per candidate go to stdout, "
+                       "progress and logs to stderr. Exit 0 when every candidate is admitted, 1 otherwise.")
     d.add_argument("config", type=Path, nargs="?", help="TOML config for model, task and sampling (default: embedded)")
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     d.add_argument("--candidates", nargs="+", metavar="SPEC",
