@@ -14,7 +14,7 @@ import torch
 
 from nearpolicy.config import load_config
 from nearpolicy.diagnosis import measure
-from nearpolicy.diagnosis.admission import admitted, bits_per_weight, make_budget, propose_recipe
+from nearpolicy.diagnosis.admission import admitted, bits_per_weight, make_budget, propose_recipe, verdict_line
 from nearpolicy.diagnosis.candidates import parse_candidate
 from nearpolicy.diagnosis.run import DiagnoseSettings, run_diagnosis
 from nearpolicy.diagnosis.sensitivity import UnitSensitivity
@@ -106,6 +106,53 @@ def test_default_budget_rule_and_alternatives():
             make_budget(1e-6, 64, **kwargs)
 
 
+def test_verdict_lines_explain_each_verdict_by_the_budget_it_met_or_failed():
+    ess_rule = make_budget(1e-10, 64)  # k3 <= ln 2 / 128 = 0.00542
+    k3 = math.log(5) / 128  # sequence ESS exp(-128 k3) = 0.2
+    assert verdict_line("llamacpp:q4_1", k3, ess_rule) == ("llamacpp:q4_1 rejected: sequence ESS at 64 tokens 0.2 < 0.5 "
+                                                          "(exp(-2 x 64 x k3), k3 0.0126 > 0.00542)")
+    assert verdict_line("llamacpp:f16", math.log(1 / 0.9) / 128, ess_rule) == (
+        "llamacpp:f16 admitted: sequence ESS at 64 tokens 0.9 >= 0.5 (exp(-2 x 64 x k3), k3 0.000823 <= 0.00542)")
+    assert verdict_line("hf:bf16", 3e-3, make_budget(1e-4, 64, floor_multiple=10)) == (
+        "hf:bf16 rejected: k3 0.003 is 30 x the noise floor 0.0001 (> 10 x, the budget 0.001)")
+    assert verdict_line("hf:bf16", 3e-3, make_budget(1e-4, 64, absolute=5e-3)) == (
+        "hf:bf16 admitted: k3 0.003 <= the budget 0.005")
+    assert verdict_line("x", float("nan"), ess_rule) == "x rejected: k3 is nan (not finite)"
+
+
+def _report(budget, *candidates):
+    """A diagnose report as run_diagnosis returns it: (name, k3, admitted) per candidate."""
+    from dataclasses import asdict
+
+    def row(name, k3, ok):
+        return {"candidate": name, "weights": "w", "k1": k3, "k3": k3, "k3_se": 1e-9, "chi2": 2 * k3, "ess": 0.99,
+                "seq_ess": 0.5, "abs_logprob_diff_p99": 0.1, "abs_logprob_diff_max": 0.2,
+                "frac_ratio_outside_0.5_2": 0.0, "admitted": ok}
+
+    return {"budget": asdict(budget), "floor": row("floor: llamacpp:f32,kv_cache=f32", 1e-10, None),
+            "candidates": [row(*c) for c in candidates], "recipes": []}
+
+
+def test_cli_writes_the_table_and_verdicts_to_stdout_and_logs_to_stderr(tmp_path, monkeypatch, capsys):
+    from nearpolicy.cli import main
+    from nearpolicy.diagnosis import run as run_module
+
+    report = _report(make_budget(1e-10, 64), ("llamacpp:f16", 1e-4, True), ("llamacpp:q4_1", math.log(5) / 128, False))
+
+    def fake(cfg, settings, log):
+        log("measuring (a log line)")
+        return report, 1
+
+    monkeypatch.setattr(run_module, "run_diagnosis", fake)
+    assert main(["diagnose", "--out", str(tmp_path / "d"), "--set", "logging.progress=false"]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("budget: sequence ESS >= 0.5 at 64 tokens") and "| llamacpp:q4_1 | w | 0.0126" in out
+    assert "- llamacpp:q4_1 rejected: sequence ESS at 64 tokens 0.2 < 0.5 (exp(-2 x 64 x k3)" in out
+    assert "- llamacpp:f16 admitted: sequence ESS at 64 tokens 0.987 >= 0.5" in out
+    assert out.endswith("\n1 of 2 candidate(s) rejected\n")
+    assert err == f"measuring (a log line)\nwrote {tmp_path / 'd' / 'diagnose.json'}, .csv and position.png\n"
+
+
 def test_recipe_promotes_by_k3_per_byte_until_the_prediction_fits():
     assert bits_per_weight("q4_1") == 5.0 and bits_per_weight("q8_0") == 8.5 and bits_per_weight("f16") == 16.0
     units = [UnitSensitivity("blk.0", "block", 0, 0.006, 100), UnitSensitivity("blk.1", "block", 0, 0.003, 100),
@@ -144,7 +191,8 @@ def test_cli_exit_codes_and_outputs(tiny_model_dir, tmp_path):
     ok = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--candidates", "hf:fp32", "--budget-k3", "1e-6"],
                         capture_output=True, text=True, timeout=600)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "every candidate admitted" in ok.stderr and "| hf:fp32 | fp32 |" in ok.stderr
+    assert "every candidate admitted" in ok.stdout and "| hf:fp32 | fp32 |" in ok.stdout  # the table: stdout
+    assert "- hf:fp32 admitted: k3 " in ok.stdout and "| hf:fp32 |" not in ok.stderr
     report = json.loads((tmp_path / "ok" / "diagnose.json").read_text())
     assert report["budget"]["rule"].startswith("absolute") and report["candidates"][0]["k3"] < 1e-9
 

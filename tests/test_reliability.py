@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nearpolicy import runs
+from nearpolicy import resume, runs
 from nearpolicy.config import Config, ConfigError, load_config
 from nearpolicy.guards import BadStepGuard, NonFiniteError, check_prompt_lengths, step_fault
 from nearpolicy.runs import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
@@ -331,7 +331,8 @@ def test_graceful_stop_first_signal_is_a_request_second_aborts_handlers_restored
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
     assert StopRequested(signal.SIGINT, 3, Path("c/step_000003")).exit_code == 130
-    assert str(StopRequested(signal.SIGTERM, 0, None)) == "stopped by SIGTERM at step 0; no step completed, nothing saved"
+    assert str(StopRequested(signal.SIGTERM, 0, None)) == ("stopped by SIGTERM at step 0; no step completed, nothing "
+                                                           "saved (run the same command again to start over)")
 
 
 @pytest.mark.parametrize("override, named", [("task.name=no_such_dataset", "no_such_dataset"),
@@ -396,9 +397,9 @@ def test_summary_shares_the_reader_rule(tmp_path, capsys):
 
 def test_a_resume_that_changes_the_engine_precision_says_so():
     said = []
-    runs.note_engine_precision({"engine_precision": "q8_0"}, "f16", said.append)
-    runs.note_engine_precision({"engine_precision": "f16"}, "f16", said.append)
-    runs.note_engine_precision({}, "f16", said.append)  # a checkpoint from before the record
+    resume.note_engine_precision({"engine_precision": "q8_0"}, "f16", said.append)
+    resume.note_engine_precision({"engine_precision": "f16"}, "f16", said.append)
+    resume.note_engine_precision({}, "f16", said.append)  # a checkpoint from before the record
     assert said == ["engine.precision changes on resume: q8_0 -> f16 (the weights are exported at f16 from now on; "
                     "expect a different engine/trainer mismatch)"]
 
@@ -406,6 +407,6 @@ def test_a_resume_that_changes_the_engine_precision_says_so():
 def test_resume_is_refused_before_loading_when_metrics_are_damaged(tmp_path):
     run = _metrics_file(tmp_path / "r", '{"step": 0}\n{"step": 1, "x": nul}\n{"step": 2}\n')
     with pytest.raises(runs.RunFolderError, match="line 2 is not valid JSON"):
-        runs.check_resume(run, Config(), {"kind": "reasoning_gym"})
+        resume.check_resume(run, Config(), {"kind": "reasoning_gym"})
     _metrics_file(run, '{"step": 0}\n{"step": 1, "x": 0.5}\n{"step": 2, "x"')  # a kill's cut-short line: resumable
-    runs.check_resume(run, Config(), {"kind": "reasoning_gym"})
+    resume.check_resume(run, Config(), {"kind": "reasoning_gym"})

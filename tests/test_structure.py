@@ -13,12 +13,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "nearpolicy"
 # what a layer may never import: the loop (orchestration) and anything above it
 LOOP = ("nearpolicy.trainer", "nearpolicy.training_run", "nearpolicy.setup", "nearpolicy.phases",
         "nearpolicy.rollouts", "nearpolicy.cli", "nearpolicy.ray_trainer", "nearpolicy.diagnosis", "nearpolicy.update",
-        "nearpolicy.runs", "nearpolicy.config")
+        "nearpolicy.runs", "nearpolicy.resume", "nearpolicy.config")
 NEVER = {"nearpolicy.ops": LOOP + ("nearpolicy.engines", "nearpolicy.tasks", "nearpolicy.models"),
          "nearpolicy.engines": LOOP, "nearpolicy.tasks": LOOP + ("nearpolicy.engines",),
          "nearpolicy.rollouts.worker": ("nearpolicy.rollouts.scheduler", "nearpolicy.rollouts.service"),
          "nearpolicy.rollouts": ("nearpolicy.trainer", "nearpolicy.training_run", "nearpolicy.cli", "nearpolicy.ray_trainer"),
-         "nearpolicy.runs": ("nearpolicy.trainer", "nearpolicy.setup"), "nearpolicy.setup": ("nearpolicy.trainer",)}
+         "nearpolicy.runs": ("nearpolicy.trainer", "nearpolicy.setup", "nearpolicy.resume"),
+         "nearpolicy.resume": ("nearpolicy.trainer", "nearpolicy.setup"), "nearpolicy.setup": ("nearpolicy.trainer",)}
 
 
 def _module_name(path: Path) -> str:

@@ -1,7 +1,7 @@
-"""Command line: `nearpolicy train CONFIG.toml [--set key=value ...] [--resume]`, `nearpolicy list`,
-`nearpolicy config`, `nearpolicy summary RUN_DIR`, `nearpolicy report RUN_DIR [-o OUT.html]`,
-`nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`, `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`,
-`nearpolicy doctor`."""
+"""Command line: `nearpolicy train [CONFIG.toml] [--set key=value ...] [--resume] [--dry-run]`, `nearpolicy train
+--resume RUN_DIR [--set ...]`, `nearpolicy list [NAME]`, `nearpolicy config`, `nearpolicy summary RUN_DIR`,
+`nearpolicy report RUN_DIR [-o OUT.html]`, `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`,
+`nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy doctor`, `nearpolicy --version`."""
 
 from __future__ import annotations
 
@@ -22,28 +22,110 @@ def _load_config(args: argparse.Namespace):
         return None
 
 
+def _train_config(args: argparse.Namespace):
+    """(the validated config, resume?) of `train`'s arguments, or None after printing the error (exit code 2).
+    `--resume RUN_DIR` (or `train RUN_DIR --resume`) reads the run's own config.json, --set on top; `--resume`
+    alone resumes the run folder CONFIG + --set names; `--resume CONFIG.toml` is CONFIG with --resume."""
+    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.resume import stored_config
+
+    config, run_dir = args.config, None
+    if isinstance(args.resume, str):
+        if config is None and Path(args.resume).is_file():  # `train --resume CONFIG.toml`: the flag came first
+            config = Path(args.resume)
+        else:
+            run_dir = Path(args.resume)
+    try:
+        if config is not None and config.is_dir():
+            if args.resume is None:
+                raise ConfigError(f"{config} is a folder, not a TOML config; to continue the run in it: "
+                                  f"nearpolicy train --resume {config}")
+            if run_dir is not None:
+                raise ConfigError(f"two run folders given: {config} and --resume {run_dir}")
+            config, run_dir = None, config
+        if run_dir is None:
+            return load_config(config, args.set or []), args.resume is not None
+        if config is not None:
+            raise ConfigError(f"give CONFIG or --resume RUN_DIR, not both (--resume {run_dir} reads the run's own "
+                              "config.json; change keys with --set)")
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume {run_dir}: no such run folder")
+        return stored_config(run_dir, args.set or []), True
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+
+
 def _train(args: argparse.Namespace) -> int:
-    cfg = _load_config(args)
-    if cfg is None:
+    loaded = _train_config(args)
+    if loaded is None:
         return 2
+    cfg, resume = loaded
+    if args.dry_run:
+        from nearpolicy.training_run import dry_run
+
+        code, text, message = dry_run(cfg, resume)
+        print(text, end="")
+        print(message, file=sys.stderr)
+        return code
     from nearpolicy.api import run_training
 
-    code, message = run_training(cfg, args.resume)
+    code, message = run_training(cfg, resume)
     if message:
         print(message, file=sys.stderr)
     return code
 
 
-def _list(args: argparse.Namespace) -> int:
+LIST_WIDTH = 100  # `nearpolicy list` lines fit a terminal this wide
+
+
+def _registries():
     from nearpolicy.ops.advantages import ADVANTAGES
     from nearpolicy.ops.correction_presets import CORRECTIONS
     from nearpolicy.ops.kl import KL_ESTIMATORS
     from nearpolicy.ops.losses import POLICY_LOSSES
 
-    for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS):  # a KL estimator's summary: its gradient
+    return ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS  # a KL estimator's summary: its gradient
+
+
+def _list(args: argparse.Namespace) -> int:
+    import textwrap
+
+    if args.name:
+        return _list_entry(args.name)
+    for registry in _registries():
         print(f"{registry.family}{'es' if registry.family.endswith('s') else 's'}:")
         for entry in registry:
-            print(f"  {entry.name:<28} {entry.summary}  [{entry.source}]")
+            head = f"  {entry.name:<28} "
+            print(head + textwrap.shorten(entry.summary, LIST_WIDTH - len(head), placeholder=" ..."))
+    print("\n`nearpolicy list NAME`: a name's full summary, source and definition")
+    return 0
+
+
+def _list_entry(name: str) -> int:
+    """Every registry entry called `name`: its family, summary and source in full, and its definition (a
+    correction's composed spec; a loss's docstring)."""
+    import inspect
+    import textwrap
+
+    from nearpolicy.ops.correction_presets import CORRECTIONS, describe_correction
+    from nearpolicy.registry import did_you_mean
+
+    found = [(registry, entry) for registry in _registries() for entry in registry if entry.name == name]
+    if not found:
+        names = {entry.name for registry in _registries() for entry in registry}
+        print(f"error: no registered name {name!r}{did_you_mean(name, names)}; `nearpolicy list` lists them",
+              file=sys.stderr)
+        return 2
+    wrap = lambda text: textwrap.fill(" ".join(text.split()), LIST_WIDTH, initial_indent="  ",  # noqa: E731
+                                      subsequent_indent="  ", break_on_hyphens=False)
+    for registry, entry in found:
+        print(f"{registry.family} {entry.name}\n{wrap(entry.summary)}\n{wrap('source: ' + entry.source)}")
+        if registry is CORRECTIONS:
+            spec = entry.fn()
+            print(wrap(f"computes: {describe_correction(entry.name, spec)}") + "\n" + wrap(f"spec: {spec!r}"))
+        elif inspect.getdoc(entry.fn):
+            print(textwrap.indent(inspect.getdoc(entry.fn), "  "))
     return 0
 
 
@@ -89,7 +171,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from nearpolicy.diagnosis.run import DiagnoseSettings, run_diagnosis
+    from nearpolicy.diagnosis.run import DiagnoseSettings, markdown_table, run_diagnosis
     from nearpolicy.engines.base import EngineError
 
     cfg = _load_config(args)
@@ -105,8 +187,11 @@ def _diagnose(args: argparse.Namespace) -> int:
     except (ValueError, OSError, EngineError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    verdict = "every candidate admitted" if code == 0 else "at least one candidate rejected"
-    print(f"{verdict}; wrote {args.out / 'diagnose.json'}", file=sys.stderr)
+    rejected = sum(not c["admitted"] for c in report["candidates"])
+    print(markdown_table(report))  # the table and verdicts on stdout (`> table.md`); progress and logs on stderr
+    print("\nevery candidate admitted" if not rejected else
+          f"\n{rejected} of {len(report['candidates'])} candidate(s) rejected")
+    print(f"wrote {args.out / 'diagnose.json'}, .csv and position.png", file=sys.stderr)
     return code
 
 
@@ -116,7 +201,8 @@ def _add_diagnose(sub) -> None:
     d = sub.add_parser("diagnose", help="measure engine/trainer mismatch of rollout configurations; admission check",
                        description="Sample responses from each candidate rollout configuration, recompute the "
                        "trainer's log-probs and admit or reject each against a k3 budget calibrated on the noise "
-                       "floor (trainer vs the f32 engine). Exit 0 when every candidate is admitted, 1 otherwise.")
+                       "floor (trainer vs the f32 engine). The table and a verdict line per candidate go to stdout, "
+                       "progress and logs to stderr. Exit 0 when every candidate is admitted, 1 otherwise.")
     d.add_argument("config", type=Path, nargs="?", help="TOML config for model, task and sampling (default: embedded)")
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     d.add_argument("--candidates", nargs="+", metavar="SPEC",
@@ -147,15 +233,27 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor(args.runs, probe=not args.no_probe)
 
 
+def _version() -> str:
+    from nearpolicy import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nearpolicy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"nearpolicy {_version()}")
     train = sub.add_parser("train", help="run GRPO training from a TOML config")
     train.add_argument("config", type=Path, nargs="?", help="TOML config (omit for the embedded defaults)")
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. run.steps=5")
-    train.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    train.add_argument("--resume", nargs="?", const=True, metavar="RUN_DIR",
+                       help="continue from the run folder's last checkpoint; with RUN_DIR, the run's own config.json "
+                       "is the config (no CONFIG needed; --set applies on top, e.g. run.steps=60)")
+    train.add_argument("--dry-run", action="store_true", help="print the effective config (TOML) and the run plan, "
+                       "check the run folder, and exit without loading the model or writing anything")
     train.set_defaults(func=_train)
     lister = sub.add_parser("list", help="list registered advantage estimators, losses, KL estimators and corrections")
+    lister.add_argument("name", nargs="?", help="show one name in full: summary, source, definition")
     lister.set_defaults(func=_list)
     sub.add_parser("config", help="every config key with its default, range or choices, and what it does").set_defaults(
         func=_config)

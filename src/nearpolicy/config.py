@@ -6,22 +6,21 @@ the run plan (setup.py), never back into the config."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from nearpolicy.config_checks import (ConfigError, aggregation_fits_loss, betas_in_range, check_batch_divides,
-                                      check_correction, check_sections_agree, check_task, describe_errors,
-                                      drop_replaced_task_options, parse_override, registered)
+from nearpolicy.config_checks import (ConfigError, aggregation_fits_loss, apply_overrides, betas_in_range,
+                                      check_batch_divides, check_correction, check_sections_agree, check_task,
+                                      describe_errors, parse_override, read_toml, registered)
 from nearpolicy.config_sections import DistillConfig, RolloutConfig, Section
 from nearpolicy.engines.base import ENGINE_KINDS
 from nearpolicy.engines.gguf_export import PRECISIONS
 from nearpolicy.engines.hf import DTYPES as HF_DTYPES
 from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
 from nearpolicy.ops.advantages import ADVANTAGES
-from nearpolicy.ops.correction_presets import CORRECTIONS, PRESET_FIELDS, correction_spec, drop_replaced_preset_fields
+from nearpolicy.ops.correction_presets import CORRECTIONS, PRESET_FIELDS, correction_spec
 from nearpolicy.ops.corrections import ACTIONS, LEVELS, MODES
 from nearpolicy.ops.kl import KL_ESTIMATORS
 from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
@@ -33,7 +32,7 @@ from nearpolicy.tasks.factory import TASK_KINDS
 from nearpolicy.trackers import WANDB_MODES
 from nearpolicy.types import SamplingParams
 
-__all__ = ["Config", "ConfigError", "load_config", "parse_override"]
+__all__ = ["Config", "ConfigError", "config_from_data", "load_config", "parse_override"]
 
 Precision = Literal[PRECISIONS]
 LOSS, SAMPLING = PolicyLossParams, SamplingParams  # the dataclasses whose defaults the config shares
@@ -336,28 +335,14 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     (level, action, lower, upper, mode, veto, mix, self_normalize) except those it sets itself; a lower layer's
     values for them are dropped; likewise a layer that changes task.kind or task.name drops a lower layer's
     task.options. Raises ConfigError naming the offending key."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"cannot read config file {path}: {err}") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    parsed = [(item, *parse_override(item)) for item in overrides]
-    drop_replaced_preset_fields(data.get("correction"), CorrectionConfig().preset,
-                                {tuple(keys[1:]): value for _, keys, value in parsed if keys[0] == "correction"})
-    drop_replaced_task_options(data.get("task"), TaskConfig(), parsed)
-    for item, keys, value in parsed:
-        node = data
-        for part in keys[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item}: {part!r} is not a section")
-        node[keys[-1]] = value
+    return config_from_data(read_toml(path) if path is not None else {}, overrides, path)
+
+
+def config_from_data(data: dict[str, Any], overrides: list[str] = (), where: Path | None = None) -> Config:
+    """load_config's layers over a config dict already read (a TOML file's, or a run's config.json); `where` names
+    its file in errors. Raises ConfigError naming the offending key."""
+    apply_overrides(data, overrides, CorrectionConfig().preset, TaskConfig())
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(describe_errors(err, path)) from None
+        raise ConfigError(describe_errors(err, where, Config)) from None

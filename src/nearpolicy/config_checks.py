@@ -4,15 +4,18 @@ lists themselves live beside the code that uses them (ops/ registries and tuples
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, ValidationError
+from pydantic import AfterValidator, BaseModel, ValidationError
 
 from nearpolicy.engines.base import LLAMA_MAX_SEQ
+from nearpolicy.ops.correction_presets import drop_replaced_preset_fields
 from nearpolicy.ops.losses import required_aggregation
-from nearpolicy.registry import Registry
+from nearpolicy.registry import Registry, did_you_mean
 
 
 class ConfigError(ValueError):
@@ -32,7 +35,8 @@ class RegisteredName:
 
     def __call__(self, value: str) -> str:
         if value not in self.names():
-            raise ValueError(f"unknown name {value!r}; valid: {', '.join(self.names())}")
+            hint = did_you_mean(value, self.names())
+            raise ValueError(f"unknown name {value!r}{hint}; valid: {', '.join(self.names())}")
         return value
 
 
@@ -119,6 +123,36 @@ def drop_replaced_task_options(section: dict | None, default, overrides: list[tu
         del section["options"]
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """A config file's TOML as a dict. Raises ConfigError naming the file when it is missing, unreadable or not TOML."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides, default_preset: str, default_task) -> None:
+    """Apply `--set` overrides to the config dict `data` in place. An override of correction.preset drops the
+    lower layer's preset fields it does not set itself (ops.correction_presets.drop_replaced_preset_fields); one of
+    task.kind or task.name drops the lower layer's task.options (drop_replaced_task_options; `default_task`: the
+    TaskConfig defaults). Raises ConfigError for a malformed override."""
+    parsed = [(item, *parse_override(item)) for item in overrides]
+    drop_replaced_preset_fields(data.get("correction"), default_preset,
+                                {tuple(keys[1:]): value for _, keys, value in parsed if keys[0] == "correction"})
+    drop_replaced_task_options(data.get("task"), default_task, parsed)
+    for item, keys, value in parsed:
+        node = data
+        for part in keys[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: {part!r} is not a section")
+        node[keys[-1]] = value
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """"a.b=value" -> (["a", "b"], value); the value is read as a TOML literal, else kept as a string."""
     if "=" not in text:
@@ -134,14 +168,32 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def describe_errors(err: ValidationError, path) -> str:
-    """One message for a failed validation, each problem naming its key (`path`: the config file, or None)."""
+def _keys_beside(schema: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the section `loc` (a key's location without the key) in `schema`; [] past a leaf."""
+    for part in loc:
+        field = schema.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        schema = annotation
+    return list(schema.model_fields)
+
+
+def describe_errors(err: ValidationError, path, schema: type[BaseModel] | None = None) -> str:
+    """One message for a failed validation, each problem naming its key (`path`: the config file, or None); an
+    unknown key or choice gets a "did you mean" hint (the keys beside it come from `schema`, the Config class)."""
     where = f"{path}: " if path else ""
     lines = []
     for problem in err.errors():
         key = ".".join(str(p) for p in problem["loc"])
         if problem["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'")
+            beside = _keys_beside(schema, problem["loc"][:-1]) if schema is not None else []
+            section = "".join(f"{p}." for p in problem["loc"][:-1])
+            lines.append(f"unknown key '{key}'{did_you_mean(problem['loc'][-1], beside, section)}")
+        elif problem["type"] == "literal_error":
+            choices = re.findall(r"'([^']*)'", str(problem.get("ctx", {}).get("expected", "")))
+            lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})"
+                         f"{did_you_mean(problem.get('input'), choices)}")
         elif not key:  # a rule across sections: its message names the keys
             lines.append(problem["msg"].removeprefix("Value error, "))
         else:

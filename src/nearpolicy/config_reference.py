@@ -1,11 +1,13 @@
 """`nearpolicy config`: every config key with its default, its range or choices, and its doc, read from the schema
 itself (config.py: field defaults, pydantic constraints, Literal choice lists, registries; docs are the strings
-under the fields), so the reference cannot drift from what validation accepts."""
+under the fields), so the reference cannot drift from what validation accepts. Also a whole config written back as
+TOML (`config_toml`, what `nearpolicy train --dry-run` prints)."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 import typing
 from pathlib import Path
@@ -31,8 +33,24 @@ def _toml(value) -> str:
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)
+
+
+def _toml_key(key) -> str:
+    """A TOML key: bare when it can be (letters, digits, _ and -), else quoted (e.g. "blk.0-2")."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", str(key)) else json.dumps(str(key))
+
+
+def config_toml(cfg: Config) -> str:
+    """`cfg` as a TOML file that load_config reads back to the same config: a table per section, every key written;
+    a key that is unset (None) is written as a comment, since TOML cannot write None."""
+    out = []
+    for section, values in cfg.model_dump().items():
+        out.append(f"[{section}]")
+        out += [f"# {key} = unset" if value is None else f"{key} = {_toml(value)}" for key, value in values.items()]
+        out.append("")
+    return "\n".join(out)
 
 
 def _literals(annotation) -> list[str]:

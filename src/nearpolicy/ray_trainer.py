@@ -129,7 +129,8 @@ def train_in_ray_actor(cfg: Config, resume: bool, poll_s: float = 0.2) -> int:
         from nearpolicy.training_run import last_checkpoint_said
 
         code = 130  # the run folder as this node sees it
-        message = "interrupted; " + last_checkpoint_said(cfg.run.output_dir / cfg.run.name)
+        message = "interrupted; " + last_checkpoint_said(cfg.run.output_dir / cfg.run.name,
+                                                        bar.n if bar is not None else 0)
     except ray.exceptions.RayActorError as err:
         code, message = 1, f"error: the trainer actor died: {err}"
     except ray.exceptions.RayTaskError as err:  # an exception the run does not map to an exit code: its traceback

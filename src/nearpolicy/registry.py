@@ -1,12 +1,21 @@
-"""Name -> function registries filled by a decorator (advantage estimators, losses, corrections)."""
+"""Name -> function registries filled by a decorator (advantage estimators, losses, corrections), and the "did you
+mean" hint every unknown-name message shares."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import difflib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
+
+
+def did_you_mean(name: str, choices: Iterable[str], prefix: str = "") -> str:
+    """" (did you mean 'x'?)" naming the closest one or two of `choices` to `name` (difflib ratio >= 0.6), each
+    shown with `prefix` before it (a config key's section), else ""."""
+    close = difflib.get_close_matches(str(name), list(choices), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(prefix + c) for c in close)}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,8 @@ class Registry(Generic[F]):
             return self._entries[name].fn
         except KeyError:
             valid = ", ".join(sorted(self._entries))
-            raise KeyError(f"unknown {self.family} {name!r}; valid names: {valid}") from None
+            hint = did_you_mean(name, self._entries)
+            raise KeyError(f"unknown {self.family} {name!r}{hint}; valid names: {valid}") from None
 
     def names(self) -> list[str]:
         return sorted(self._entries)

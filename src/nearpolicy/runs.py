@@ -1,6 +1,6 @@
 """The run folder's one owner: config.json and plan.json, metrics.jsonl (its sink, its one reader, its truncation
-on resume), safetensors checkpoints (save, load, resume from the newest loadable one) and the --resume checks
-(same config except RESUMABLE_KEYS, same data).
+on resume), safetensors checkpoints (save, load, resume from the newest loadable one). The checks before a run or a
+resume starts (RESUMABLE_KEYS, same config and data, a finished run) are resume.py's.
 
 Checkpoints are written to a temporary folder, fsynced and renamed, so a kill at any moment leaves the last
 complete checkpoint loadable; the newest `keep` are kept.
@@ -20,14 +20,9 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-
-if TYPE_CHECKING:
-    from nearpolicy.config import Config
 
 CHECKPOINT_PREFIX = "step_"
 METRICS = "metrics.jsonl"
@@ -36,6 +31,10 @@ METRICS = "metrics.jsonl"
 class RunExistsError(RuntimeError):
     """The run folder already holds a run and --resume was not given, or --resume was refused (changed config or
     data)."""
+
+
+class RunFinished(Exception):
+    """--resume of a run whose newest checkpoint is at or past run.steps: nothing is left to train."""
 
 
 class RunFolderError(ValueError):
@@ -160,6 +159,34 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step a checkpoint folder holds, read without loading it: its trainer_state.json's step when every file
+    a load reads is there and whole (each safetensors file as long as its header says; a kill or a full disk cuts
+    files short), else None. A None here means load_checkpoint would fail; the reverse is not promised (a file
+    may hold other shapes)."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+            if not _safetensors_whole(path / name):
+                return None
+    except (OSError, ValueError):
+        return None
+    step = state.get("step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _safetensors_whole(file: Path) -> bool:
+    """The file's length is 8 + its header's length + the end of its last tensor's data."""
+    length = file.stat().st_size
+    with file.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        if size > length - 8:
+            return False
+        header = json.loads(handle.read(size))
+    ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"]
+    return length == 8 + size + max(ends, default=0)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -287,52 +314,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     tmp.replace(path)
 
 
-# -- --resume ----------------------------------------------------------------------------------------------------------
-# may change on --resume (placement, not training, settings); everything else must match
-# engine.precision and engine.extra_buffers too: the way out after an engine crash (docs/reliability.md)
-RESUMABLE_KEYS = ("run.steps", "run.name", "run.output_dir", "logging", "rollout.ray_address",
-                  "rollout.trainer_resources", "engine.precision", "engine.extra_buffers")
-
-
-def check_same_config(saved_path: Path, cfg: Config) -> None:
-    """Refuse (RunExistsError) a --resume whose config differs from the run's saved config.json, except in
-    RESUMABLE_KEYS. A key the saved config lacks (added to the schema since) counts as its default."""
-    from nearpolicy.config import Config
-
-    if not saved_path.exists():
-        return
-    saved = json.loads(saved_path.read_text())
-    now, default = cfg.model_dump(mode="json"), Config().model_dump(mode="json")
-    changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
-               if saved.get(section, {}).get(key, default[section][key]) != value
-               and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
-    if changed:
-        allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
-        raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
-                             f"(only {allowed} and {RESUMABLE_KEYS[-1]} may change; use a new run.name)")
-
-
-def check_same_data(plan_path: Path, now: dict) -> None:
-    """Refuse (RunExistsError) a --resume whose data differs from the identity the run recorded in plan.json (runs
-    from before the record are not checked)."""
-    from nearpolicy.tasks.identity import data_changes
-
-    saved = json.loads(plan_path.read_text()).get("data") if plan_path.exists() else None
-    change = data_changes(saved, now) if saved is not None else None
-    if change:
-        raise RunExistsError(f"--resume on changed data: {change}; the run's order and held-out split come from "
-                             "the data it started with (restore it, or use a new run.name)")
-
-
-def check_resume(run_dir: Path, cfg: Config, data: dict) -> None:
-    """Refuse a --resume before anything loads: a changed config or data (RunExistsError) or a damaged
-    metrics.jsonl (RunFolderError, which the resume would meet only after the minutes of loading)."""
-    check_same_config(run_dir / "config.json", cfg)
-    check_same_data(run_dir / "plan.json", data)
-    if (run_dir / METRICS).exists():
-        read_metrics(run_dir)
-
-
+# -- resuming from a checkpoint (the checks before it: resume.py) ------------------------------------------------
 def resume_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       restore_extra: Callable[[Path, dict[str, torch.Tensor] | None], None],
                       log=print) -> tuple[Path, dict] | None:
@@ -357,12 +339,3 @@ def resume_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.op
         metrics.replace(run_dir / "metrics.before-resume.jsonl")
     log(f"no loadable checkpoint in {run_dir}: starting from step 0")
     return None
-
-
-def note_engine_precision(saved: dict, precision: str, log=print) -> None:
-    """Say when a resume changes engine.precision (allowed: the way out after an engine crash) from the one the
-    checkpoint recorded (checkpoints from before the record say nothing)."""
-    before = saved.get("engine_precision")
-    if before is not None and before != precision:
-        log(f"engine.precision changes on resume: {before} -> {precision} (the weights are exported at {precision} "
-            "from now on; expect a different engine/trainer mismatch)")

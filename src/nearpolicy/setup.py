@@ -117,20 +117,39 @@ def _load_teacher(cfg: Config, tokenizer, log=print) -> torch.nn.Module | None:
 
 
 def _plan(cfg: Config, resolved, model, task: Task, stop_ids: set[int]) -> dict:
+    return run_plan(cfg, resolved, task) | {"parameters": sum(p.numel() for p in model.parameters()),
+                                            "stop_token_ids": sorted(stop_ids)}
+
+
+def run_plan(cfg: Config, resolved, task: Task) -> dict:
+    """The run plan's values that need no model (`nearpolicy train --dry-run` prints them); the run's plan.json adds
+    the parameter count and the stop-token ids."""
     a = cfg.algorithm
     return {
         "model_file": str(resolved.path), "model_kind": resolved.kind,
-        "parameters": sum(p.numel() for p in model.parameters()),
         "engine": f"{cfg.engine.kind}:{_engine_precision(cfg.engine)}",
         "eval_policy": "trainer:fp32" if cfg.logging.eval_policy == "trainer" else "rollout engine",
         "samples_per_step": a.group_size * a.prompts_per_step,
         "samples_per_minibatch": a.group_size * a.prompts_per_step // a.minibatches,
         "total_samples": a.group_size * a.prompts_per_step * cfg.run.steps,
         "eval_problems": len(task.eval_problems()),
-        "stop_token_ids": sorted(stop_ids),
         "correction": repr(cfg.correction.spec()),
         "correction_effective": describe_correction(cfg.correction.preset, cfg.correction.spec()),
     }
+
+
+def dry_plan(cfg: Config) -> dict:
+    """run_plan without loading a model: the model and teacher paths are resolved and the task is built (seconds).
+    Raises what build_session raises for a bad model.path, distill.teacher or task."""
+    from nearpolicy.models import resolve_model
+
+    resolved = resolve_model(cfg.model.path)
+    if cfg.distill.teacher is not None:
+        try:
+            resolve_model(cfg.distill.teacher)
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(f"distill.teacher: {err}") from None
+    return run_plan(cfg, resolved, build_task(cfg))
 
 
 def _engine_precision(e: EngineConfig) -> str:

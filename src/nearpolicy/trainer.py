@@ -26,8 +26,8 @@ from nearpolicy.phases import (distill_advantages, eval_metrics, eval_samples, m
 from nearpolicy.policy import recompute_logprobs
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
-from nearpolicy.runs import (MetricsSink, RunExistsError, check_resume, list_checkpoints, note_engine_precision,
-                             resume_checkpoint, save_checkpoint, write_json)
+from nearpolicy.resume import check_run_folder, note_engine_precision, set_aside_restarted_metrics
+from nearpolicy.runs import MetricsSink, resume_checkpoint, save_checkpoint, write_json
 from nearpolicy.samples import SampleLog
 from nearpolicy.setup import Session, assemble, policy_engine, sampling_params
 from nearpolicy.signals import StopRequested
@@ -58,29 +58,27 @@ def _update_settings(cfg: Config) -> UpdateSettings:
 
 def open_trainer(cfg: Config, *, resume: bool = False, log=print,
                  build: Callable[[Config, Path, Callable], tuple[Session, RolloutSource]] = assemble) -> Trainer:
-    """Check the run folder (a run there needs --resume; a resume needs the same config and data), assemble the
-    session and rollout source with `build` (setup.assemble), and return the Trainer. A run that fails to
-    assemble leaves no folder behind."""
+    """Check the run folder (resume.check_run_folder: a run there needs --resume; a resume needs the same config
+    and data, and steps left), assemble the session and rollout source with `build` (setup.assemble), and return
+    the Trainer. A run that fails to assemble leaves no folder behind."""
     run_dir = cfg.run.output_dir / cfg.run.name
-    existing = list_checkpoints(run_dir) or (run_dir / "metrics.jsonl").exists()
-    if existing and not resume:
-        raise RunExistsError(f"{run_dir} already holds a run; pass --resume to continue it or set run.name")
-    data = data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
-    if resume:  # refuse a changed config, changed data or damaged metrics before the minutes of loading
-        check_resume(run_dir, cfg, data)
-    created = not run_dir.exists()
+    folder = check_run_folder(cfg, resume)  # a run already there, a changed config or data: refused before loading
+    if folder.restart:
+        set_aside_restarted_metrics(run_dir)
+        log(f"starting over: {folder.said}")
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # run_dir and run.output_dir, if new
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
     try:
         session, rollouts = build(cfg, run_dir, log)
         try:
-            return Trainer(cfg, session, rollouts, resume=resume, log=log, data=data)
+            return Trainer(cfg, session, rollouts, resume=resume, log=log, data=folder.data)
         except BaseException:
             rollouts.close()  # its engine processes must not outlive a Trainer that never started
             raise
     except BaseException:
-        if created:  # a run that never started leaves no folder to block the retry
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if created:  # a run that never started leaves no folder (nor an empty run.output_dir) behind
+            shutil.rmtree(created[-1], ignore_errors=True)
         raise
 
 

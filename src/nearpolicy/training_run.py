@@ -12,20 +12,55 @@ from nearpolicy.config import Config
 
 
 def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
-    """(Trainer, None), or (None, (2, message)) when the run cannot start."""
+    """(Trainer, None), or (None, (exit code, message)) when the run does not start: 2 when it cannot, 0 for a
+    --resume of a finished run (nothing to do)."""
     from nearpolicy.engines.base import EngineError
-    from nearpolicy.runs import RunExistsError
+    from nearpolicy.runs import RunExistsError, RunFinished
     from nearpolicy.trackers import TrackerError
     from nearpolicy.trainer import open_trainer
 
     try:
         return open_trainer(cfg, resume=resume, log=log), None
+    except RunFinished as finished:
+        return None, (0, str(finished))
     except (RunExistsError, OSError, ValueError, TrackerError) as err:
         return None, (2, f"error: {err}")
     except EngineError as err:
         return None, (2, f"error: {err}\n{engine_advice(cfg)}")
     except KeyboardInterrupt:  # Ctrl-C while loading: a run folder the attempt created is already removed
         return None, (130, "interrupted during startup; nothing was trained")
+
+
+def dry_run(cfg: Config, resume: bool) -> tuple[int, str, str]:
+    """`nearpolicy train --dry-run`: (exit code, the effective config as TOML headed by comments saying what the
+    start would do and the run plan, a closing message). Only the task is built and the model path resolved
+    (seconds); nothing is written. Exit 0 when the run would start or has nothing to do; 2 when it would be refused
+    or cannot start."""
+    import json
+
+    from nearpolicy.config_reference import config_toml
+    from nearpolicy.resume import check_run_folder
+    from nearpolicy.runs import RunExistsError, RunFinished, RunFolderError
+    from nearpolicy.setup import dry_plan
+
+    code, data = 0, None
+    try:
+        folder = check_run_folder(cfg, resume)
+        said, data = folder.said, folder.data
+    except RunFinished as finished:
+        said = str(finished)
+    except (RunExistsError, RunFolderError) as err:
+        code, said = 2, f"refused: {err}"
+    except OSError as err:  # a missing task.path
+        return 2, "", f"error: {err}"
+    try:
+        plan = dry_plan(cfg) | ({"data": data} if data else {})
+    except (OSError, ValueError) as err:
+        return 2, "", f"error: {err}"
+    lines = ["# nearpolicy train --dry-run: the effective config (defaults < file < --set); nothing was run or written",
+             f"# {said}", "# run plan (plan.json adds the parameter count and stop-token ids once the model loads):",
+             *(f"#   {key} = {json.dumps(value, default=str)}" for key, value in plan.items()), "", config_toml(cfg)]
+    return code, "\n".join(lines), ("error: the run would not start: " + said if code else "dry run: nothing written")
 
 
 def engine_advice(cfg: Config) -> str:
@@ -53,7 +88,7 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
     except StopRequested as stopped:
         return stopped.exit_code, str(stopped)
     except EngineDied as died:
-        where = last_checkpoint_said(trainer.run_dir)
+        where = last_checkpoint_said(trainer.run_dir, trainer.state.step)
         if getattr(stop, "signum", None) is not None:  # a group signal reached the engine too: a stop, not a crash
             import signal
 
@@ -64,7 +99,7 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
         return 1, (f"error: {died}\n{where}; engine.precision and engine.extra_buffers may change on --resume\n"
                    f"{engine_advice(trainer.cfg)}")
     except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
-        where = last_checkpoint_said(trainer.run_dir)
+        where = last_checkpoint_said(trainer.run_dir, trainer.state.step)
         reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
         return (130 if isinstance(err, KeyboardInterrupt) else 1), f"{reason} at step {trainer.state.step}; {where}"
     finally:
@@ -72,11 +107,14 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
     return 0, f"done: metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
 
 
-def last_checkpoint_said(run_dir) -> str:
-    """What an interrupted or failed run tells the user about its checkpoints."""
+def last_checkpoint_said(run_dir, step: int) -> str:
+    """What an interrupted or failed run at `step` (completed steps) tells the user about its checkpoints."""
     from nearpolicy.runs import list_checkpoints
 
     saved = list_checkpoints(run_dir)
-    return (f"the last checkpoint {saved[-1]} is intact (continue with --resume)" if saved
-            else "no checkpoint was written yet (run again with --resume, which starts over in this folder, or set "
-                 "a new run.name)")
+    if saved:
+        return f"the last checkpoint {saved[-1]} is intact (continue with --resume)"
+    if step == 0:
+        return "no step was completed (run the same command again to start over)"
+    return ("no checkpoint was written yet (run again with --resume, which starts over in this folder, or set "
+            "a new run.name)")

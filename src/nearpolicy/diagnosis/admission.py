@@ -22,6 +22,10 @@ class Budget:
     k3: float  # nats per token
     rule: str
     floor_k3: float
+    kind: str = "absolute"  # which rule set k3: "seq_ess", "absolute" or "floor_multiple"
+    seq_ess_min: float | None = None  # seq_ess: the sequence-ESS floor, at response_tokens tokens
+    response_tokens: int | None = None
+    floor_multiple: float | None = None  # floor_multiple: k3 <= this x floor_k3
 
 
 def make_budget(floor_k3: float, response_tokens: int, *, absolute: float | None = None,
@@ -32,20 +36,40 @@ def make_budget(floor_k3: float, response_tokens: int, *, absolute: float | None
     if absolute is not None:
         if not absolute > 0:
             raise ValueError(f"the k3 budget must be > 0, got {absolute}")
-        return Budget(absolute, f"absolute k3 <= {absolute:.3g}", floor_k3)
+        return Budget(absolute, f"absolute k3 <= {absolute:.3g}", floor_k3, "absolute")
     if floor_multiple is not None:
         if not floor_multiple > 1:
             raise ValueError(f"the floor multiple must be > 1, got {floor_multiple}")
-        return Budget(floor_multiple * floor_k3, f"{floor_multiple:g} x the noise floor k3 {floor_k3:.3g}", floor_k3)
+        return Budget(floor_multiple * floor_k3, f"{floor_multiple:g} x the noise floor k3 {floor_k3:.3g}", floor_k3,
+                      "floor_multiple", floor_multiple=floor_multiple)
     if not 0 < seq_ess_min < 1 or response_tokens < 1:
         raise ValueError(f"need 0 < seq_ess_min < 1 and response_tokens >= 1, got {seq_ess_min}, {response_tokens}")
     k3 = math.log(1 / seq_ess_min) / (2 * response_tokens)
     return Budget(k3, f"sequence ESS >= {seq_ess_min:g} at {response_tokens} tokens: k3 <= ln(1/{seq_ess_min:g}) / "
-                      f"(2 x {response_tokens}) = {k3:.3g}", floor_k3)
+                      f"(2 x {response_tokens}) = {k3:.3g}", floor_k3, "seq_ess", seq_ess_min, response_tokens)
 
 
 def admitted(k3: float, budget: Budget) -> bool:
     return math.isfinite(k3) and k3 <= budget.k3
+
+
+def verdict_line(candidate: str, k3: float, budget: Budget) -> str:
+    """Why `candidate` (with token-mean k3, nats/token) is admitted or rejected, in the terms of the budget's rule,
+    e.g. "llamacpp:q4_1 rejected: sequence ESS at 64 tokens 0.2 < 0.5 (exp(-2 x 64 x k3), k3 0.0126 > 0.00542)".
+    The sequence ESS is the rule's model exp(-2 L k3) (module docstring), the quantity the verdict compares."""
+    ok = admitted(k3, budget)
+    verdict, above = ("admitted", "<=") if ok else ("rejected", ">")
+    if not math.isfinite(k3):
+        return f"{candidate} rejected: k3 is {k3} (not finite)"
+    if budget.kind == "seq_ess":
+        n = budget.response_tokens
+        ess = math.exp(-2 * n * k3)
+        return (f"{candidate} {verdict}: sequence ESS at {n} tokens {ess:.3g} {'>=' if ok else '<'} "
+                f"{budget.seq_ess_min:g} (exp(-2 x {n} x k3), k3 {k3:.3g} {above} {budget.k3:.3g})")
+    if budget.kind == "floor_multiple" and budget.floor_k3 > 0:
+        return (f"{candidate} {verdict}: k3 {k3:.3g} is {k3 / budget.floor_k3:.3g} x the noise floor "
+                f"{budget.floor_k3:.3g} ({above} {budget.floor_multiple:g} x, the budget {budget.k3:.3g})")
+    return f"{candidate} {verdict}: k3 {k3:.3g} {above} the budget {budget.k3:.3g}"
 
 
 def bits_per_weight(precision: str) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from nearpolicy.config import Config
-from nearpolicy.diagnosis.admission import Budget, admitted, make_budget, propose_recipe
+from nearpolicy.diagnosis.admission import Budget, admitted, make_budget, propose_recipe, verdict_line
 from nearpolicy.diagnosis.candidates import RolloutCandidate, parse_candidate
 from nearpolicy.diagnosis.measure import CandidateResult, DiagnoseContext, measure_candidate
 from nearpolicy.diagnosis.plots import position_chart, sensitivity_chart
@@ -44,8 +44,9 @@ class DiagnoseSettings:
 
 
 def run_diagnosis(cfg: Config, settings: DiagnoseSettings, log=print) -> tuple[dict, int]:
-    """Measure, decide and write the outputs. Returns (the JSON report, exit code: 0 when every candidate is
-    admitted, 1 otherwise). Raises ValueError for a bad candidate string (before any model is loaded)."""
+    """Measure, decide and write the outputs. Returns (the JSON report, whose table and verdicts `markdown_table`
+    writes; exit code: 0 when every candidate is admitted, 1 otherwise). Raises ValueError for a bad candidate
+    string (before any model is loaded)."""
     candidates = [parse_candidate(c) for c in settings.candidates]
     floor = parse_candidate(FLOOR)
     _check_settings(cfg, settings)
@@ -98,7 +99,6 @@ def _diagnose(cfg: Config, settings: DiagnoseSettings, ctx: DiagnoseContext, flo
                 recipes.append(_find_recipe(ctx, c, scans[c.precision], budget, settings, log))
     report = _report(cfg, settings, ctx, floor_result, results, verdicts, budget, scans, recipes)
     _write(settings.out, report, floor_result, results, verdicts, scans)
-    log(markdown_table(report))
     return report, 0 if all(verdicts) else 1
 
 
@@ -110,12 +110,12 @@ def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
 
     torch.set_num_threads(cfg.run.threads)
     resolved = resolve_model(cfg.model.path)
+    task = build_task(cfg)  # before the model loads: a bad task.path or task.name fails in seconds
     model, tokenizer = load_policy(cfg.model.path)
     model.float().eval().requires_grad_(False)
     if settings.weights is not None:
         load_model_weights(settings.weights, model)
         log(f"weights from {settings.weights}")
-    task = build_task(cfg)
     prompts = [chat_prompt_ids(tokenizer, cfg.task.system_prompt, task.train_problem(i).question)
                for i in range(settings.prompts)]
     sampling = sampling_params(cfg)
@@ -220,7 +220,8 @@ def _write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
 
 
 def markdown_table(report: dict) -> str:
-    """The verdict table as markdown (what the command prints)."""
+    """The verdict table as markdown, then one line per candidate saying why it is admitted or rejected in the
+    budget's terms, then the proposed recipes (what the command prints on stdout)."""
     b = report["budget"]
     lines = [f"budget: {b['rule']} (noise floor k3 {b['floor_k3']:.3g})", "",
              "| candidate | weights | k3 (± s.e.) | k1 | chi2 | ESS | seq ESS | p99 abs dlogp | max abs dlogp | outside [0.5,2] | verdict |",
@@ -233,6 +234,8 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r['candidate']} | {r['weights']} | {r['k3']:.3g} ± {r['k3_se']:.1g} | {r['k1']:.3g} | {r['chi2']:.3g} | "
                      f"{r['ess']:.4f} | {r['seq_ess']:.3f} | {r['abs_logprob_diff_p99']:.3g} | "
                      f"{r['abs_logprob_diff_max']:.3g} | {r['frac_ratio_outside_0.5_2']:.2%} | {verdict} |")
+    budget = Budget(**b)
+    lines += ["", *(f"- {verdict_line(r['candidate'], r['k3'], budget)}" for r in report["candidates"])]
     for rec in report["recipes"]:
         found = rec["recipe"]
         lines.append(f"\nproposed for {rec['candidate']}: " + (f"{found['spec']} (k3 {found['measured_k3']:.3g}, "

@@ -94,7 +94,7 @@ class JsonlTask:
     ``answer_required=False`` (a task.reward_function scores the responses) a line may leave out "answer" ("").
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
+        FileNotFoundError: ``path`` does not exist (the message names task.path).
         ValueError: bad lines (naming the file and the 1-based line numbers) unless
             ``skip_bad_lines``, in which case they are skipped and listed in ``self.skipped_lines``;
             no usable lines; ``eval_size`` < 0.
@@ -110,6 +110,8 @@ class JsonlTask:
         answer_required: bool = True,
     ) -> None:
         self.path, self.answer_required = Path(path), answer_required
+        if not self.path.is_file():
+            raise FileNotFoundError(f"task.path {self.path} does not exist")
         if eval_size < 0:
             raise ValueError(f"task.eval_size must be >= 0, got {eval_size}")
         self.name = f"jsonl:{self.path.name}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nearpolicy.registry import did_you_mean
 from nearpolicy.tasks.answers import extract_final_answer
 from nearpolicy.tasks.base import Problem, wrap_index
 
@@ -17,7 +18,7 @@ def _create(name: str, options: dict, seed: int, size: int) -> Any:
 
     if name not in DATASETS:
         raise ValueError(
-            f"task.name: unknown reasoning-gym dataset {name!r}; "
+            f"task.name: unknown reasoning-gym dataset {name!r}{did_you_mean(name, DATASETS)}; "
             f"known: {', '.join(sorted(DATASETS))}"
         )
     reserved = sorted({"seed", "size"} & set(options))

@@ -1,0 +1,188 @@
+"""The run-folder checks before a start (resume.check_run_folder), the config of a run read back from its folder
+(`nearpolicy train --resume RUN_DIR`), the keys a resume may change, and the whole flow through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nearpolicy.config import Config, ConfigError, load_config
+from nearpolicy.resume import RESTARTED_METRICS, check_run_folder, stored_config
+from nearpolicy.runs import RunExistsError, RunFinished, checkpoint_step, save_checkpoint, write_json
+
+
+def _cfg(tmp_path: Path, *sets: str) -> Config:
+    return load_config(None, [f"run.output_dir='{tmp_path}'", "run.name=r", "task.train_size=20", "task.eval_size=4",
+                              *sets])
+
+
+def save_small_checkpoint(run: Path, step: int) -> Path:
+    """A real checkpoint of a 2 x 2 linear model and its AdamW state."""
+    model = torch.nn.Linear(2, 2)
+    return save_checkpoint(run, step, model, torch.optim.AdamW(model.parameters()), {"data_position": step}, keep=10)
+
+
+def _folder(cfg: Config, logged=None, checkpoints=()) -> Path:
+    """A run folder as a run leaves it: config.json, the metrics rows of `logged` steps, the checkpoints."""
+    run = cfg.run.output_dir / cfg.run.name
+    run.mkdir(parents=True)
+    write_json(run / "config.json", cfg.model_dump(mode="json"))
+    if logged is not None:
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "eval/accuracy": 0.25}) + "\n" for s in logged))
+    for step in checkpoints:
+        save_small_checkpoint(run, step)
+    return run
+
+
+def test_a_new_run_needs_a_folder_without_a_run(tmp_path):
+    cfg = _cfg(tmp_path)
+    check = check_run_folder(cfg, resume=False)
+    assert check.said == f"new run in {tmp_path / 'r'}" and not check.restart
+    assert check.data["kind"] == "reasoning_gym" and check.data["name"] == "chain_sum"
+    run = _folder(cfg, logged=[0, 1, 2])  # steps logged, no checkpoint (killed before the first one)
+    with pytest.raises(RunExistsError, match=r"logged steps up to 2 but wrote no checkpoint; pass --resume"):
+        check_run_folder(cfg, resume=False)
+    save_small_checkpoint(run, 2)
+    with pytest.raises(RunExistsError, match=rf"already holds a run \(last checkpoint step_000002\); continue it with "
+                                             rf"--resume \(nearpolicy train --resume {run}\)"):
+        check_run_folder(cfg, resume=False)
+
+
+def test_an_interrupted_start_with_only_the_step0_eval_is_started_over_by_a_plain_retry(tmp_path):
+    """Ctrl-C during the step-0 eval: the eval's row is written, no step completes, no checkpoint. A plain retry is
+    accepted; open_trainer keeps the old row aside before anything loads."""
+    from nearpolicy.trainer import open_trainer
+
+    cfg = _cfg(tmp_path)
+    run = _folder(cfg, logged=[0])
+    check = check_run_folder(cfg, resume=False)
+    assert check.restart and "holds only the step-0 eval of an interrupted start" in check.said
+    said = []
+
+    def build(cfg, run_dir, log):
+        raise RuntimeError("assembly stops here")
+
+    with pytest.raises(RuntimeError, match="assembly stops here"):
+        open_trainer(cfg, log=said.append, build=build)
+    assert said == [f"starting over: {check.said}"]
+    assert not (run / "metrics.jsonl").exists() and run.is_dir()  # a folder it did not create is left in place
+    assert json.loads((run / RESTARTED_METRICS).read_text()) == {"step": 0, "eval/accuracy": 0.25}
+    assert not check_run_folder(cfg, resume=False).restart  # the retry after that is a plain new run
+
+
+def test_a_failed_start_leaves_neither_the_run_folder_nor_a_new_output_dir(tmp_path):
+    from nearpolicy.trainer import open_trainer
+
+    def build(cfg, run_dir, log):
+        assert run_dir.is_dir()
+        raise ValueError("task.name: unknown reasoning-gym dataset")
+
+    cfg = _cfg(tmp_path / "new" / "runs")
+    with pytest.raises(ValueError, match="unknown reasoning-gym"):
+        open_trainer(cfg, log=lambda m: None, build=build)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()  # an output_dir that was there before stays
+    with pytest.raises(ValueError, match="unknown reasoning-gym"):
+        open_trainer(_cfg(tmp_path / "kept"), log=lambda m: None, build=build)
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+
+
+def test_resume_says_what_it_continues_and_that_a_finished_run_has_nothing_to_do(tmp_path):
+    cfg = _cfg(tmp_path, "run.steps=2")
+    run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
+    with pytest.raises(RunFinished, match=rf"nothing to do: {run} is finished \(its last checkpoint step_000002 is at "
+                                          rf"step 2, run.steps = 2\); to train further, resume with more steps: "
+                                          rf"nearpolicy train --resume {run} --set run.steps=N \(N > 2\)"):
+        check_run_folder(cfg, resume=True)
+    longer = _cfg(tmp_path, "run.steps=5")
+    assert check_run_folder(longer, resume=True).said == f"resumes {run} from step_000002: steps 3 to 5"
+
+
+@pytest.mark.parametrize("damage", ["model.safetensors", "optimizer.safetensors", "trainer_state.json"])
+def test_a_damaged_last_checkpoint_is_not_a_finished_run(tmp_path, damage):
+    """The newest checkpoint cut short (a kill, a full disk): the resume continues from the one before, as the load
+    does (runs.resume_checkpoint), instead of calling the run finished."""
+    cfg = _cfg(tmp_path, "run.steps=2")
+    run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
+    newest = run / "checkpoints" / "step_000002"
+    assert checkpoint_step(newest) == 2
+    file = newest / damage
+    file.write_bytes(file.read_bytes()[: file.stat().st_size - 3])
+    assert checkpoint_step(newest) is None and checkpoint_step(run / "checkpoints" / "step_000001") == 1
+    assert check_run_folder(cfg, resume=True).said == (f"resumes {run} from step_000001 (newer, damaged: "
+                                                       "step_000002): steps 2 to 2")
+    file = run / "checkpoints" / "step_000001" / "rng.safetensors"
+    file.write_bytes(b"\xff" * 8 + file.read_bytes()[8:])  # a header length past the end of the file
+    assert check_run_folder(cfg, resume=True).said == (f"--resume in {run}, which has no loadable checkpoint: "
+                                                       "starts from step 0")
+
+
+@pytest.mark.parametrize("change", ["run.threads=1", "rollout.engine_threads=3", "run.max_bad_steps=9",
+                                    "logging.eval_every=1", "logging.progress=false", "engine.precision=f16"])
+def test_resume_accepts_keys_that_do_not_change_the_math(tmp_path, change):
+    cfg = _cfg(tmp_path, "run.steps=2")
+    _folder(cfg, logged=[0, 1], checkpoints=[1])
+    assert "from step_000001: steps 2 to 2" in check_run_folder(_cfg(tmp_path, "run.steps=2", change), True).said
+
+
+@pytest.mark.parametrize("change, key", [("algorithm.lr=1e-3", "algorithm.lr"), ("run.seed=1", "run.seed"),
+                                         ("engine.max_parallel_sequences=8", "engine.max_parallel_sequences")])
+def test_resume_refuses_a_key_that_changes_the_math_naming_it(tmp_path, change, key):
+    cfg = _cfg(tmp_path, "run.steps=2")
+    _folder(cfg, logged=[0, 1], checkpoints=[1])
+    with pytest.raises(RunExistsError, match=rf"differs from .*config.json in: {key} \(only run.steps, .*run.threads"):
+        check_run_folder(_cfg(tmp_path, "run.steps=2", change), resume=True)
+
+
+def test_stored_config_is_the_runs_own_config_pointed_at_its_folder_with_sets_on_top(tmp_path):
+    cfg = _cfg(tmp_path, "sampling.max_new_tokens=6", "correction.preset=icepop", "correction.upper=inf",
+               "engine.tensor_precision={'blk.0-1'='f16'}", "algorithm.loss=gspo")
+    run = _folder(cfg)
+    moved = tmp_path / "elsewhere" / "renamed"
+    moved.parent.mkdir()
+    run.rename(moved)  # a folder moved after the run: RUN_DIR, not the stored run.output_dir / run.name, is the run
+    got = stored_config(moved, ["run.steps=9", "logging.progress=false"])
+    want = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": moved.parent, "name": "renamed",
+                                                                       "steps": 9}),
+                                  "logging": cfg.logging.model_copy(update={"progress": False})})
+    assert got == want
+    with pytest.raises(ConfigError, match="run.name and run.output_dir cannot be set"):
+        stored_config(moved, ["run.name=other"])
+    with pytest.raises(ConfigError, match=r"invalid config: 'algorithm.lr'"):
+        stored_config(moved, ["algorithm.lr=-1"])
+    with pytest.raises(ConfigError, match="holds no config.json"):
+        stored_config(tmp_path, [])
+
+
+@pytest.mark.slow  # two short training runs through the real CLI
+def test_plain_retry_after_an_interrupted_start_then_resume_by_run_dir_through_the_cli(tiny_gguf_factory, tmp_path):
+    from test_cli import _base, _metrics, _train
+
+    model = tiny_gguf_factory("f32")
+    run = tmp_path / "r"
+    run.mkdir()  # what Ctrl-C during the step-0 eval leaves (besides config, plan, engine/): the eval's row only
+    (run / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    first = _train(_base(model, tmp_path, "r", "logging.progress=false"), tmp_path)  # the same command, again
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"starting over: new run in {run}, which holds only the step-0 eval" in first.stderr
+    assert (run / RESTARTED_METRICS).read_text() == '{"step": 0, "eval/accuracy": 0.5}\n'
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2]
+
+    resumed = _train(["--resume", str(run), "--set", "run.steps=3"], tmp_path)  # no CONFIG, no retyped --set
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in resumed.stderr
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["run"]["steps"] == 3 and saved["sampling"]["max_new_tokens"] == 6 and saved["model"]["path"] == str(model)
+
+    finished = _train(["--resume", str(run)], tmp_path)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stderr.strip().splitlines()[-1] == (
+        f"nothing to do: {run} is finished (its last checkpoint step_000003 is at step 3, run.steps = 3); to train "
+        f"further, resume with more steps: nearpolicy train --resume {run} --set run.steps=N (N > 3)")
+    refused = _train(["--resume", str(run), "--set", "run.steps=4", "--set", "algorithm.lr=1e-3"], tmp_path)
+    assert refused.returncode == 2 and "differs from" in refused.stderr and "in: algorithm.lr (only" in refused.stderr
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]  # neither touched the run
