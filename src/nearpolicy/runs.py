@@ -3,7 +3,8 @@ on resume), safetensors checkpoints (save, load, resume from the newest loadable
 (same config except RESUMABLE_KEYS, same data).
 
 Checkpoints are written to a temporary folder, fsynced and renamed, so a kill at any moment leaves the last
-complete checkpoint loadable; the newest `keep` are kept.
+complete checkpoint loadable; the newest `keep` are kept (older ones deleted only once the new one is on disk). A
+weights-only checkpoint (logging.final_weights_only) has no optimizer state: it can be exported, not resumed.
 
 metrics.jsonl: one JSON object per line, each with an integer "step" (MetricsSink). Its one reading rule
 (`read_metrics`, used by the trainer's resume, `nearpolicy summary`, `report` and `compare`): blank lines are
@@ -90,11 +91,14 @@ class CheckpointError(OSError):
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, keep: int, extra: dict[str, torch.Tensor] | None = None) -> Path:
+                    state: dict, keep: int, extra: dict[str, torch.Tensor] | None = None,
+                    weights_only: bool = False) -> Path:
     """Write checkpoints/step_XXXXXX atomically (temporary folder, fsync, rename); returns its path, keeps the newest
-    `keep`. `extra`: further named tensors (e.g. the PPO-EWMA proximal weights) written to extra.safetensors, read
-    by `load_extra_tensors`. Raises FloatingPointError for non-finite weights (nothing written) and CheckpointError
-    when the write fails (the temporary folder is removed; the message names the previous checkpoint, intact)."""
+    `keep` (>= 1). `extra`: further named tensors (e.g. the PPO-EWMA proximal weights) written to extra.safetensors,
+    read by `load_extra_tensors`. `weights_only`: no optimizer or extra tensors (about 1/3 of the bytes; marked
+    "weights_only" in trainer_state.json, refused by `check_resume`). Raises FloatingPointError for non-finite
+    weights (nothing written) and CheckpointError when the write fails (the temporary folder is removed; the message
+    names the previous checkpoint, intact)."""
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
@@ -106,7 +110,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     try:
         _remove_leftovers(root)
         tmp.mkdir()
-        _write_checkpoint_files(tmp, weights, optimizer, {**state, "step": step}, extra)
+        _write_checkpoint_files(tmp, weights, None if weights_only else optimizer,
+                                {**state, "step": step, "weights_only": weights_only}, None if weights_only else extra)
         if final.exists():
             _discard(final)
         os.rename(tmp, final)
@@ -124,16 +129,19 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     return final
 
 
-def _write_checkpoint_files(folder: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+def _write_checkpoint_files(folder: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
                             state: dict, extra: dict[str, torch.Tensor] | None = None) -> None:
-    """model / optimizer / RNG safetensors and trainer_state.json in `folder`, each file and the folder fsynced."""
+    """model / optimizer (unless None) / RNG safetensors and trainer_state.json in `folder`, each file and the folder
+    fsynced."""
     _tie_safe_save(weights, folder / "model.safetensors")
-    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
-    save_file(opt_tensors, str(folder / "optimizer.safetensors"))
+    if optimizer is not None:
+        opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+        save_file(opt_tensors, str(folder / "optimizer.safetensors"))
+        state = {**state, "optimizer": opt_meta}
     save_file({"torch_rng": torch.get_rng_state()}, str(folder / "rng.safetensors"))
     if extra:
         save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(folder / EXTRA_TENSORS))
-    write_json(folder / "trainer_state.json", {**state, "optimizer": opt_meta})
+    write_json(folder / "trainer_state.json", state)
     for f in folder.iterdir():
         with f.open("rb") as handle:
             os.fsync(handle.fileno())
@@ -325,11 +333,29 @@ def check_same_data(plan_path: Path, now: dict) -> None:
                              "the data it started with (restore it, or use a new run.name)")
 
 
+def check_not_weights_only(run_dir: Path) -> None:
+    """Refuse (RunExistsError) a --resume whose newest checkpoint holds the weights only (logging.final_weights_only):
+    it has no optimizer state to continue from. An unreadable trainer_state.json is left to the resume to skip."""
+    checkpoints = list_checkpoints(run_dir)
+    try:
+        state = json.loads((checkpoints[-1] / "trainer_state.json").read_text()) if checkpoints else {}
+    except (OSError, ValueError):
+        return
+    if isinstance(state, dict) and state.get("weights_only"):
+        older = f", or delete it to resume from {checkpoints[-2].name}" if len(checkpoints) > 1 else ""
+        raise RunExistsError(
+            f"{checkpoints[-1]} holds the weights only (the run had logging.final_weights_only = true), no optimizer "
+            f"state, so the run cannot continue from it: export it (`nearpolicy export {run_dir}`) and start a new "
+            f"run with model.path set to the exported folder{older}")
+
+
 def check_resume(run_dir: Path, cfg: Config, data: dict) -> None:
-    """Refuse a --resume before anything loads: a changed config or data (RunExistsError) or a damaged
-    metrics.jsonl (RunFolderError, which the resume would meet only after the minutes of loading)."""
+    """Refuse a --resume before anything loads: a changed config or data (RunExistsError), a weights-only newest
+    checkpoint (RunExistsError) or a damaged metrics.jsonl (RunFolderError, which the resume would meet only after
+    the minutes of loading)."""
     check_same_config(run_dir / "config.json", cfg)
     check_same_data(run_dir / "plan.json", data)
+    check_not_weights_only(run_dir)
     if (run_dir / METRICS).exists():
         read_metrics(run_dir)
 
