@@ -1,7 +1,8 @@
 """Command line: `nearpolicy train [CONFIG.toml] [--set key=value ...] [--resume] [--dry-run]`, `nearpolicy train
 --resume RUN_DIR [--set ...]`, `nearpolicy list [NAME]`, `nearpolicy config`, `nearpolicy summary RUN_DIR`,
 `nearpolicy report RUN_DIR [-o OUT.html]`, `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`,
-`nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy doctor`, `nearpolicy --version`."""
+`nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
+[--gguf PRECISION ...]`, `nearpolicy doctor`, `nearpolicy --version`."""
 
 from __future__ import annotations
 
@@ -227,6 +228,38 @@ def _add_diagnose(sub) -> None:
     d.set_defaults(func=_diagnose)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from nearpolicy.export import export_run
+
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    try:
+        done = export_run(args.run_dir, args.step, args.out, args.gguf, args.force, log=log)
+    except (ValueError, FileNotFoundError) as err:  # no run, checkpoint or model.path; --step or --out refused
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: {err} (nothing was written at the output folder)", file=sys.stderr)
+        return 1
+    log(f"wrote {done.folder} (step {done.step}): AutoModelForCausalLM.from_pretrained('{done.folder}') loads it"
+        + "".join(f"; llama.cpp runs {path}" for path in done.ggufs))
+    return 0
+
+
+def _add_export(sub) -> None:
+    from nearpolicy.engines.gguf_export import PRECISIONS
+
+    e = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder and GGUF files",
+                       description="Write a checkpoint's weights as a Hugging Face folder (model.safetensors, "
+                       "config.json, tokenizer) that transformers loads, with GGUF files for llama.cpp in it.")
+    e.add_argument("run_dir", type=Path)
+    e.add_argument("--step", type=int, help="the checkpoint's step (default: the last checkpoint)")
+    e.add_argument("--out", type=Path, help="output folder (default RUN_DIR/export/step_XXXXXX)")
+    e.add_argument("--gguf", nargs="*", metavar="PRECISION", choices=PRECISIONS,
+                   help="GGUF precisions to write (default: the run's engine.precision; --gguf alone: none)")
+    e.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    e.set_defaults(func=_export)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from nearpolicy.doctor import doctor
 
@@ -270,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="HTML file to write (default runs/compare.html)")
     compare.set_defaults(func=_compare)
     _add_diagnose(sub)
+    _add_export(sub)
     doc = sub.add_parser("doctor", help="what a bug report needs: CPU flags, llama.cpp features and probe, torch "
                          "GEMM speed, disk, Chromium; exit 1 when a required piece is missing")
     doc.add_argument("--runs", type=Path, default=Path("runs"), help="where checkpoints go (free disk is measured there)")

@@ -276,7 +276,9 @@ class LoggingConfig(Section):
     checkpoint_every: int = Field(10, ge=1)
     """Checkpoint every this many steps (and at the last step, and on SIGINT / SIGTERM)."""
     keep_checkpoints: int = Field(2, ge=1)
-    """Newest checkpoints kept in the run folder; older ones are deleted."""
+    """Newest checkpoints kept (weights + AdamW state, 1.6 GB each for SmolLM2); older go once a newer one is saved."""
+    final_weights_only: bool = False
+    """Last step's checkpoint without optimizer state (1/3 the size): exportable (`nearpolicy export`), not resumable."""
     eval_policy: Literal["engine", "trainer"] = "engine"
     """Which model the greedy held-out eval runs: engine = the rollout engine at its precision (what the run
     samples from, so eval accuracy and rollouts agree); trainer = the trainer's fp32 policy (transformers, slower;

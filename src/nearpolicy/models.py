@@ -131,6 +131,29 @@ def _rebuild_plain(loaded: Any) -> Any:
     return model
 
 
+def load_model_weights(checkpoint: Path, model) -> None:
+    """Load a checkpoint folder's model.safetensors (or a .safetensors file) into `model`, strictly (tied
+    weights excepted). Raises FileNotFoundError / ValueError naming the file."""
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint)
+    path = path / "model.safetensors" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no model weights at {path}")
+    try:
+        weights = load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise ValueError(f"cannot read {path}: {err}") from None
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # shape mismatches
+        raise ValueError(f"{path} does not match the model: {str(err).splitlines()[-1].strip()}") from None
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path} does not match the model: missing {sorted(set(missing) - tied)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]}")
+
+
 # -- tokenizer helpers ------------------------------------------------------------------------------------------
 def pad_token_id(tokenizer) -> int:
     """The id batches are padded with: the tokenizer's pad token, else its EOS token."""

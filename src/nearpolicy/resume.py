@@ -79,11 +79,29 @@ def check_same_data(plan_path: Path, now: dict) -> None:
                              "the data it started with (restore it, or use a new run.name)")
 
 
+def check_not_weights_only(run_dir: Path) -> None:
+    """Refuse (RunExistsError) a --resume whose newest checkpoint holds the weights only (logging.final_weights_only):
+    it has no optimizer state to continue from. An unreadable trainer_state.json is left to the resume to skip."""
+    checkpoints = list_checkpoints(run_dir)
+    try:
+        state = json.loads((checkpoints[-1] / "trainer_state.json").read_text()) if checkpoints else {}
+    except (OSError, ValueError):
+        return
+    if isinstance(state, dict) and state.get("weights_only"):
+        older = f", or delete it to resume from {checkpoints[-2].name}" if len(checkpoints) > 1 else ""
+        raise RunExistsError(
+            f"{checkpoints[-1]} holds the weights only (the run had logging.final_weights_only = true), no optimizer "
+            f"state, so the run cannot continue from it: export it (`nearpolicy export {run_dir}`) and start a new "
+            f"run with model.path set to the exported folder{older}")
+
+
 def check_resume(run_dir: Path, cfg: Config, data: dict) -> None:
-    """Refuse a --resume before anything loads: a changed config or data (RunExistsError) or a damaged
-    metrics.jsonl (RunFolderError, which the resume would meet only after the minutes of loading)."""
+    """Refuse a --resume before anything loads: a changed config or data (RunExistsError), a weights-only newest
+    checkpoint (RunExistsError) or a damaged metrics.jsonl (RunFolderError, which the resume would meet only after
+    the minutes of loading)."""
     check_same_config(run_dir / "config.json", cfg)
     check_same_data(run_dir / "plan.json", data)
+    check_not_weights_only(run_dir)
     if (run_dir / METRICS).exists():
         read_metrics(run_dir)
 

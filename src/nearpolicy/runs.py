@@ -3,7 +3,8 @@ on resume), safetensors checkpoints (save, load, resume from the newest loadable
 resume starts (RESUMABLE_KEYS, same config and data, a finished run) are resume.py's.
 
 Checkpoints are written to a temporary folder, fsynced and renamed, so a kill at any moment leaves the last
-complete checkpoint loadable; the newest `keep` are kept.
+complete checkpoint loadable; the newest `keep` are kept (older ones deleted only once the new one is on disk). A
+weights-only checkpoint (logging.final_weights_only) has no optimizer state: it can be exported, not resumed.
 
 metrics.jsonl: one JSON object per line, each with an integer "step" (MetricsSink). Its one reading rule
 (`read_metrics`, used by the trainer's resume, `nearpolicy summary`, `report` and `compare`): blank lines are
@@ -88,11 +89,14 @@ class CheckpointError(OSError):
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, keep: int, extra: dict[str, torch.Tensor] | None = None) -> Path:
+                    state: dict, keep: int, extra: dict[str, torch.Tensor] | None = None,
+                    weights_only: bool = False) -> Path:
     """Write checkpoints/step_XXXXXX atomically (temporary folder, fsync, rename); returns its path, keeps the newest
-    `keep`. `extra`: further named tensors (e.g. the PPO-EWMA proximal weights) written to extra.safetensors, read
-    by `load_extra_tensors`. Raises FloatingPointError for non-finite weights (nothing written) and CheckpointError
-    when the write fails (the temporary folder is removed; the message names the previous checkpoint, intact)."""
+    `keep` (>= 1). `extra`: further named tensors (e.g. the PPO-EWMA proximal weights) written to extra.safetensors,
+    read by `load_extra_tensors`. `weights_only`: no optimizer or extra tensors (about 1/3 of the bytes; marked
+    "weights_only" in trainer_state.json, refused by `check_resume`). Raises FloatingPointError for non-finite
+    weights (nothing written) and CheckpointError when the write fails (the temporary folder is removed; the message
+    names the previous checkpoint, intact)."""
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
@@ -104,7 +108,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     try:
         _remove_leftovers(root)
         tmp.mkdir()
-        _write_checkpoint_files(tmp, weights, optimizer, {**state, "step": step}, extra)
+        _write_checkpoint_files(tmp, weights, None if weights_only else optimizer,
+                                {**state, "step": step, "weights_only": weights_only}, None if weights_only else extra)
         if final.exists():
             _discard(final)
         os.rename(tmp, final)
@@ -122,16 +127,19 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     return final
 
 
-def _write_checkpoint_files(folder: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+def _write_checkpoint_files(folder: Path, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
                             state: dict, extra: dict[str, torch.Tensor] | None = None) -> None:
-    """model / optimizer / RNG safetensors and trainer_state.json in `folder`, each file and the folder fsynced."""
+    """model / optimizer (unless None) / RNG safetensors and trainer_state.json in `folder`, each file and the folder
+    fsynced."""
     _tie_safe_save(weights, folder / "model.safetensors")
-    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
-    save_file(opt_tensors, str(folder / "optimizer.safetensors"))
+    if optimizer is not None:
+        opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+        save_file(opt_tensors, str(folder / "optimizer.safetensors"))
+        state = {**state, "optimizer": opt_meta}
     save_file({"torch_rng": torch.get_rng_state()}, str(folder / "rng.safetensors"))
     if extra:
         save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(folder / EXTRA_TENSORS))
-    write_json(folder / "trainer_state.json", {**state, "optimizer": opt_meta})
+    write_json(folder / "trainer_state.json", state)
     for f in folder.iterdir():
         with f.open("rb") as handle:
             os.fsync(handle.fileno())

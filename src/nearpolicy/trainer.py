@@ -274,8 +274,9 @@ class Trainer:
         if source_state is not None:
             state["scheduler"] = source_state
         extra = None if self.ewma is None else self.ewma.state_tensors()
-        self.saved = save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state,
-                                     self.cfg.logging.keep_checkpoints, extra=extra)
+        kept = self.cfg.logging  # the last step's checkpoint may keep the weights only (no resume from it)
+        self.saved = save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state, kept.keep_checkpoints,
+                                     extra=extra, weights_only=kept.final_weights_only and st.step == self.cfg.run.steps)
         return self.saved
 
     def _checkpoint_on_stop(self) -> Path | None:

@@ -19,6 +19,7 @@ from nearpolicy.diagnosis.candidates import RolloutCandidate, parse_candidate
 from nearpolicy.diagnosis.measure import CandidateResult, DiagnoseContext, measure_candidate
 from nearpolicy.diagnosis.plots import position_chart, sensitivity_chart
 from nearpolicy.diagnosis.sensitivity import reference_samples, scan
+from nearpolicy.models import load_model_weights
 from nearpolicy.runs import write_json
 
 DEFAULT_CANDIDATES = ("llamacpp:f32", "llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "llamacpp:mxfp4", "hf:bf16")
@@ -125,29 +126,6 @@ def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
                            settings.group_size, sampling, workdir, cfg.run.seed, cfg.run.threads,
                            cfg.model.max_context, cfg.algorithm.micro_batch_size,
                            max_parallel=cfg.engine.max_parallel_sequences)
-
-
-def load_model_weights(checkpoint: Path, model) -> None:
-    """Load a checkpoint folder's model.safetensors (or a .safetensors file) into `model`, strictly (tied
-    weights excepted). Raises FileNotFoundError / ValueError naming the file."""
-    from safetensors.torch import load_file
-
-    path = Path(checkpoint)
-    path = path / "model.safetensors" if path.is_dir() else path
-    if not path.is_file():
-        raise FileNotFoundError(f"no model weights at {path}")
-    try:
-        weights = load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
-        raise ValueError(f"cannot read {path}: {err}") from None
-    try:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-    except RuntimeError as err:  # shape mismatches
-        raise ValueError(f"{path} does not match the model: {str(err).splitlines()[-1].strip()}") from None
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"{path} does not match the model: missing {sorted(set(missing) - tied)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}")
 
 
 def _scan(ctx: DiagnoseContext, precision: str, reference: RolloutCandidate, settings: DiagnoseSettings) -> dict:
