@@ -90,8 +90,8 @@ def test_a_python_reward_trains_through_the_api_and_its_rewards_are_logged(tiny_
 def test_train_refuses_an_existing_run_with_a_training_error(tmp_path):
     cfg = nearpolicy.load_config(None, [f"run.output_dir='{tmp_path}'", "run.name=taken"])
     (tmp_path / "taken").mkdir()
-    (tmp_path / "taken" / "metrics.jsonl").write_text('{"step": 0}\n')
-    with pytest.raises(nearpolicy.TrainingError, match="already holds a run") as err:
+    (tmp_path / "taken" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')  # steps logged: not a restart
+    with pytest.raises(nearpolicy.TrainingError, match="holds a run that logged steps up to 1") as err:
         nearpolicy.train(cfg, log=lambda _: None)
     assert err.value.exit_code == 2 and err.value.run_dir == tmp_path / "taken"
 
