@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 DEFAULT_SPEC = "smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERSION_FORMAT = 1  # bump when convert_gguf writes something different
 
 
 def default_model_gguf() -> Path:
@@ -64,7 +66,8 @@ def resolve_model(spec: str) -> ResolvedModel:
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model.path {spec!r} is a file but not a .gguf file")
     st = path.stat()
-    _check_gguf(str(path), st.st_size, st.st_mtime_ns)
+    if not converted_folder(path).is_dir():  # a converted copy exists only for a file that passed the check
+        _check_gguf(str(path), st.st_size, st.st_mtime_ns)
     return ResolvedModel("gguf", path)
 
 
@@ -104,17 +107,66 @@ def _load(resolved: ResolvedModel) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if resolved.kind == "gguf":
-        folder, name = str(resolved.path.parent), resolved.path.name
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        model = _rebuild_plain(loaded)
-        del loaded
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    folder = resolved.path if resolved.kind == "hf" else convert_gguf(resolved.path)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model.train()
     return model, tokenizer
+
+
+def cache_root() -> Path:
+    """Where nearpolicy keeps what it can rebuild: $NEARPOLICY_CACHE_DIR, else ~/.cache/nearpolicy (safe to delete)."""
+    return Path(os.environ.get("NEARPOLICY_CACHE_DIR") or Path.home() / ".cache" / "nearpolicy")
+
+
+def converted_folder(gguf_path: Path) -> Path:
+    """The cache folder of a GGUF's float32 Hugging Face form, keyed by the file's content (sha256) and the
+    transformers version that converted it."""
+    st = Path(gguf_path).stat()
+    return cache_root() / "gguf-hf" / _content_key(str(gguf_path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _content_key(path: str, size: int, mtime_ns: int) -> str:
+    import hashlib
+
+    import transformers
+
+    digest = hashlib.sha256(f"{_CONVERSION_FORMAT}|{transformers.__version__}|".encode())
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:32]
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """The GGUF as a float32 Hugging Face folder (config, model.safetensors, tokenizer), converted once and cached
+    (converted_folder): transformers parses the whole GGUF (its 49k-entry vocabulary included) for the config, the
+    weights and the tokenizer, 10-30 s each start, while the folder loads in about a second. The weights are the
+    dequantized GGUF weights exactly (llama.cpp's q/k permutation undone by transformers)."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = converted_folder(gguf_path)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        parent, name = str(Path(gguf_path).parent), Path(gguf_path).name
+        loaded = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name, dtype=torch.float32)
+        _rebuild_plain(loaded).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(parent, gguf_file=name).save_pretrained(tmp)
+        os.rename(tmp, folder)
+    except OSError:
+        if not (folder / "config.json").is_file():  # not another process's finished copy
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def _rebuild_plain(loaded: Any) -> Any:
