@@ -47,13 +47,18 @@ $(STAMP): pyproject.toml Makefile
 train: $(STAMP)
 	$(VENV)/bin/nearpolicy train configs/main.toml $(ARGS)
 
+# two pytest-xdist workers (the machines have 2 cores; most tests wait on a child process part of the time);
+# TEST_WORKERS=0 runs the suite in this one process
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 # the inner loop (under 3 minutes on 2 cores): everything but the `slow` tests (real-CLI runs, real-engine smokes,
 # anything over ~10 s) and the in-process trainer-family matrix (tests/test_trainer_families.py); `make test` runs all
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_trainer_families.py $(ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow" --ignore=tests/test_trainer_families.py $(ARGS)
 
 # what a bug report needs: CPU flags, llama.cpp features and startup probes, torch GEMM speed, disk, Chromium
 doctor: $(STAMP)

@@ -94,3 +94,9 @@ def _default_dtype(request):
     torch.set_default_dtype(getattr(request.module, "DEFAULT_DTYPE", torch.float32))
     yield
     torch.set_default_dtype(previous)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (a stable sort): with `make test`'s two xdist workers and work stealing, the long real-CLI
+    runs start at once and the many short tests fill the gaps, instead of one long run closing the suite alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
