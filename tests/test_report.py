@@ -275,3 +275,17 @@ def test_plots_have_whole_step_ticks_bands_inside_the_reward_range_and_legends_o
     assert band.max() == pytest.approx(1.0) and band.min() == pytest.approx(0.5)
     legend, axes_box = fig.legends[0].get_window_extent(), ax.get_window_extent()
     assert legend.y1 <= axes_box.y0  # below the plotting area
+
+
+def test_summary_and_report_skip_metric_values_that_are_not_numbers(tmp_path: Path, capsys: pytest.CaptureFixture):
+    rows = _fake_rows()
+    rows[1] |= {"reward/mean": "0.5", "time/step": "fast"}  # hand-edited or foreign rows
+    rows[3] |= {"eval/accuracy": True}
+    run = _write_run(tmp_path / "odd", rows)
+    assert main(["summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "| reward/mean | 0.2 | 0.25 | 0.25 | 0.3 |" in out  # steps 2 and 3 only
+    eval_table = out.split("| step | eval accuracy (greedy, held-out) |\n|---|---|\n")[1].split("\n\n")[0]
+    assert eval_table == "| 0 | 0.250 |"  # step 3's `true` is no accuracy
+    assert "Training time (sum of step times, evals included): 0.2 min." in out
+    assert main(["report", str(run), "-o", str(tmp_path / "odd.html")]) == 0

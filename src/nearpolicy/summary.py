@@ -14,7 +14,7 @@ TIME_KEYS = ["time/rollout", "time/score", "time/recompute", "time/update", "tim
 
 
 def _stats(rows: list[dict], key: str) -> tuple[float, float, float, float] | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
     if not values:
         return None
     return min(values), statistics.median(values), statistics.fmean(values), max(values)
@@ -51,7 +51,8 @@ def summarize(run_dir: Path, warn=None) -> str:
         (warn or print)(warning)
     rows = metrics.rows
     steps = [r for r in rows if "reward/mean" in r]
-    evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows
+             if isinstance(r.get("eval/accuracy"), (int, float)) and not isinstance(r.get("eval/accuracy"), bool)]
     description = describe_run(read_json_object(Path(run_dir) / "config.json"),
                                read_json_object(Path(run_dir) / "plan.json"))
     out = [f"### Run `{Path(run_dir).name}`: {len(steps)} training steps", ""]
@@ -65,6 +66,6 @@ def summarize(run_dir: Path, warn=None) -> str:
         st = _stats(steps, key)
         if st is not None:
             out.append(f"| {key} | " + " | ".join(f"{v:.4g}" for v in st) + " |")
-    train_seconds = sum(r.get("time/step", 0.0) for r in steps)
+    train_seconds = sum(_stats([r], "time/step")[0] for r in steps if _stats([r], "time/step"))
     out += ["", f"Training time (sum of step times, evals included): {train_seconds / 60:.1f} min."]
     return "\n".join(out)
