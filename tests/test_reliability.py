@@ -361,6 +361,8 @@ def test_metrics_reader_skips_only_a_cut_short_last_line_and_names_any_other_dam
     log = runs.read_metrics(run)
     assert [row["step"] for row in log.rows] == [0, 1]  # step order, blank line ignored
     assert log.warnings == [f"{run / 'metrics.jsonl'}: skipped line 4, cut short (not valid JSON)"]
+    _metrics_file(run, '{"step": 0}\n{"step": 1, "a"\n\n  \n')  # blank lines after the cut-short one
+    assert runs.read_metrics(run).warnings == [f"{run / 'metrics.jsonl'}: skipped line 2, cut short (not valid JSON)"]
     for text, said in [('{"step": 1}\nnot json\n{"step": 2}\n', "line 2 is not valid JSON"),
                        ('{"step": 1}\n{"step": "2"}\n', "line 2 is not a metrics object with an integer 'step'"),
                        ('{"step": true}\n', "line 1 is not a metrics object with an integer 'step'")]:

@@ -280,6 +280,7 @@ def read_metrics(run_dir: Path) -> MetricsLog:
     if not path.is_file():
         raise RunFolderError(f"no {METRICS} in {run_dir}")
     lines = read_text(path).splitlines()
+    last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)  # blank lines after it do not count
     rows, warnings = [], []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -287,7 +288,7 @@ def read_metrics(run_dir: Path) -> MetricsLog:
         try:
             row = json.loads(line)
         except ValueError as err:
-            if number == len(lines):
+            if number == last:
                 warnings.append(f"{path}: skipped line {number}, cut short (not valid JSON)")
                 continue
             raise RunFolderError(f"{path} line {number} is not valid JSON: {err}") from None
