@@ -74,6 +74,8 @@ def test_correction_overrides_replace_preset_fields_and_bad_bounds_name_the_sect
     ("algorithm.lr=10.0", "algorithm.lr"), ("sampling.temperature=1e-40", "sampling.temperature"),
     ("algorithm.adam_betas=[2.0, -1.0]", "adam_betas"), ("algorithm.kl_coef=nan", "algorithm.kl_coef"),
     ("correction.center=log_mean", "decoupled"),
+    ("logging.progress=1", "'logging.progress': Input should be a valid boolean"),
+    ("engine.extra_buffers='false'", "'engine.extra_buffers': Input should be a valid boolean"),
 ])
 def test_hostile_values_found_by_the_adversarial_review_are_rejected(override, needle):
     extra = ["correction.mode='bypass'"] if "center" in override else []
@@ -96,8 +98,9 @@ def test_sequence_level_loss_implies_or_requires_per_sequence_aggregation():
     assert load_config(None, ["algorithm.loss=gspo"]).algorithm.aggregation == "seq-mean-token-mean"
     assert load_config(None).algorithm.aggregation == "token-mean"
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        with pytest.raises(ConfigError, match=r"algorithm\.aggregation = '" + mode + "'.*gspo.*sequence-level"):
+        with pytest.raises(ConfigError, match=r"algorithm\.aggregation = '" + mode + "'.*gspo.*sequence-level") as err:
             load_config(None, ["algorithm.loss=gspo", f"algorithm.aggregation='{mode}'"])
+        assert "Value error" not in str(err.value) and "(got {" not in str(err.value)  # no pydantic internals
     explicit = load_config(None, ["algorithm.loss=gspo", "algorithm.aggregation='seq-mean-token-mean'"])
     assert explicit == load_config(None, ["algorithm.loss=gspo"])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
 
 from nearpolicy.config_checks import (ConfigError, aggregation_fits_loss, apply_overrides, betas_in_range,
                                       check_batch_divides, check_correction, check_sections_agree, check_task,
@@ -87,9 +87,9 @@ class EngineConfig(Section):
     the most sequences one context holds)."""
     kv_cache: Literal[tuple(KV_CACHE_TYPES)] = "f16"
     """llamacpp: KV-cache dtype."""
-    flash_attention: bool = False
+    flash_attention: StrictBool = False
     """llamacpp: use the flash-attention kernel (rounds queries to f16: adds mismatch)."""
-    extra_buffers: bool = False
+    extra_buffers: StrictBool = False
     """llamacpp: let llama.cpp move weights into its extra buffer types at load (CPU repacking of q4_0 into
     interleaved blocks; AMX tiles when compiled in). Off: with AMX, the first q8_0 / q4_0 / q4_1 matmul faults on
     some Intel Xeon hosts (ggml-org/llama.cpp#20824); measured effect on speed: docs/results.md sec. 6."""
@@ -144,7 +144,7 @@ class TaskConfig(Section):
     of 1 digit, see `resolved_options`). A --set of task.kind or task.name drops the config file's options."""
     path: Path | None = None
     """JSONL file of {"prompt", "answer"} lines (kind = jsonl)."""
-    skip_bad_lines: bool = False
+    skip_bad_lines: StrictBool = False
     """jsonl: skip lines that are not UTF-8 JSON {"prompt", "answer"} objects; off: such lines stop the run at
     startup, the message naming the file and line numbers."""
     train_size: int = Field(5000, ge=1)
@@ -277,15 +277,15 @@ class LoggingConfig(Section):
     """Checkpoint every this many steps (and at the last step, and on SIGINT / SIGTERM)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Newest checkpoints kept (weights + AdamW state, 1.6 GB each for SmolLM2); older go once a newer one is saved."""
-    final_weights_only: bool = False
+    final_weights_only: StrictBool = False
     """Last step's checkpoint without optimizer state (1/3 the size): exportable (`nearpolicy export`), not resumable."""
     eval_policy: Literal["engine", "trainer"] = "engine"
     """Which model the greedy held-out eval runs: engine = the rollout engine at its precision (what the run
     samples from, so eval accuracy and rollouts agree); trainer = the trainer's fp32 policy (transformers, slower;
     what `nearpolicy export` writes)."""
-    tensorboard: bool = True
+    tensorboard: StrictBool = True
     """Mirror every scalar of metrics.jsonl to TensorBoard event files in run_dir/tensorboard."""
-    wandb: bool = False
+    wandb: StrictBool = False
     """Mirror every scalar of metrics.jsonl to a Weights & Biases run in run_dir/wandb (needs `pip install wandb`;
     the run id is the run folder's name, so a resumed run continues it)."""
     wandb_project: str = "nearpolicy"
@@ -293,9 +293,9 @@ class LoggingConfig(Section):
     wandb_mode: Literal[WANDB_MODES] = "offline"
     """offline: files only, no account or network (`wandb sync run_dir/wandb/offline-run-*` uploads later);
     online: stream to the wandb server (needs `wandb login`)."""
-    progress: bool = True
+    progress: StrictBool = True
     """Draw a progress bar (reward, k3, accuracy) on stderr."""
-    diagnostics: bool = True
+    diagnostics: StrictBool = True
     """Compute the per-step mismatch metrics (mismatch/*: k1/k2/k3, chi-square, ESS, |delta log p|, the
     decomposition); their cost is logged as time/diagnostics. Off only to measure that cost (bench/)."""
 

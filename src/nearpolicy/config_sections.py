@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from nearpolicy.config_checks import check_rollout
 
@@ -24,7 +24,7 @@ class RolloutConfig(Section):
     """Engine replicas; 0 = the engine runs inline, synchronously (the default)."""
     staleness: int = Field(0, ge=0, le=16)
     """eta: a trained token is at most this many policy versions old; 0 = synchronous."""
-    partial: bool = False
+    partial: StrictBool = False
     """Partial rollouts (APRIL): a sample interrupted by a weight update keeps its tokens and continues with the
     new weights (needs staleness >= 1); off: it restarts, so no sample mixes versions."""
     overprovision: int = Field(0, ge=0, le=1024)
