@@ -201,3 +201,18 @@ def test_duplicate_result_is_refused():
     sched.on_result(SegmentResult(0, 0, 0, (1,), (-0.1,), "stop"))
     with pytest.raises(ValueError, match="not in flight"):
         sched.on_result(SegmentResult(0, 0, 0, (1,), (-0.1,), "stop"))
+
+
+def test_a_dead_replica_is_named_by_its_signal_and_restarted():
+    from types import SimpleNamespace
+
+    from nearpolicy.rollouts.service import RolloutService
+
+    restarted, said = [], []
+    pool = SimpleNamespace(replicas=2, restart=lambda w, path, version: restarted.append((w, path, version)))
+    scheduler = SimpleNamespace(version=3, lost=lambda seg: None)
+    service = RolloutService(scheduler, pool, lambda g: (1,), None, 0, 4, "engine.gguf", log=said.append)
+    service._handle([(1, "died", -11), (0, "died", 3)])
+    assert said == ["warning: engine replica 1 died (SIGSEGV); restarting it and re-issuing its segments",
+                    "warning: engine replica 0 died (exit code 3); restarting it and re-issuing its segments"]
+    assert restarted == [(1, "engine.gguf", 3), (0, "engine.gguf", 3)] and service.counters["engine_restarts"] == 2

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.process import exit_description
 from nearpolicy.rollouts.scheduler import GroupState, RolloutScheduler
 from nearpolicy.rollouts.types import SegmentJob
 from nearpolicy.types import Rollout, SamplingParams
@@ -57,7 +58,8 @@ class RolloutService:
                 self.counters["generated_tokens"] += sum(len(r.completion_ids) for r in results)
                 self._free(w)
             elif kind == "died":
-                self.log(f"warning: engine replica {w} died ({payload}); restarting it and re-issuing its segments")
+                self.log(f"warning: engine replica {w} died ({exit_description(payload)}); restarting it and "
+                         "re-issuing its segments")
                 for seg in (self.busy[w] or (None, []))[1]:
                     self.sched.lost(seg)
                 self.counters["engine_restarts"] += 1
