@@ -104,7 +104,25 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
         return (130 if isinstance(err, KeyboardInterrupt) else 1), f"{reason} at step {trainer.state.step}; {where}"
     finally:
         trainer.close()
-    return 0, f"done: metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
+    return 0, (f"done: {accuracy_said(run_dir)}metrics in {run_dir / 'metrics.jsonl'}, checkpoints in "
+               f"{run_dir / 'checkpoints'}; `nearpolicy report {run_dir}` draws them")
+
+
+def accuracy_said(run_dir) -> str:
+    """'eval accuracy 0.297 (step 0) -> 0.492 (step 30), best 0.695 (step 20); ' from metrics.jsonl, or ''."""
+    from nearpolicy.runs import RunFolderError, read_metrics
+
+    try:
+        rows = read_metrics(run_dir).rows
+    except RunFolderError:
+        return ""
+    evals = [(row["step"], row["eval/accuracy"]) for row in rows if isinstance(row.get("eval/accuracy"), float)]
+    if not evals:
+        return ""
+    (first_step, first), (last_step, last) = evals[0], evals[-1]
+    best_step, best = max(evals, key=lambda point: point[1])
+    return (f"eval accuracy {first:.3f} (step {first_step}) -> {last:.3f} (step {last_step}), best {best:.3f} "
+            f"(step {best_step}); ")
 
 
 def last_checkpoint_said(run_dir, step: int) -> str:
