@@ -38,3 +38,13 @@ def test_doctor_reports_this_machine_and_probes_the_engine_in_child_processes(tm
     probes = [line for line in lines if "probe extra_buffers=" in line]
     assert len(probes) == 2 and all(line.startswith("[ok  ]") and "decoded q4_1 in a child process" in line
                                     for line in probes)
+
+
+def test_a_busy_machine_is_a_warning_with_the_load_figures():
+    from nearpolicy.doctor import machine_load
+
+    busy = machine_load(3.2, 2)
+    assert (busy.ok, busy.required) == (False, False)
+    assert busy.line() == ("[warn] load                     3.2 runnable processes (1-min load average) on 2 cores; "
+                           "the machine is busy: timings and GEMM speed read low")
+    assert machine_load(0.4, 2).line().endswith("on 2 cores, quiet") and machine_load(0.4, 2).ok

@@ -5,6 +5,7 @@ checkpoints, and the Chromium the report test drives. Exit code 1 when a require
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import time
@@ -75,6 +76,14 @@ def engine_probe(extra_buffers: bool) -> Check:
                  required=not extra_buffers)
 
 
+def machine_load(load_1min: float, cores: int) -> Check:
+    """Whether other work competes for the cores: every time and GFLOP/s below (and any benchmark) reads low then."""
+    busy = load_1min > 0.5 * cores
+    said = f"{load_1min:.1f} runnable processes (1-min load average) on {cores} cores"
+    return Check("load", said + ("; the machine is busy: timings and GEMM speed read low" if busy else ", quiet"),
+                 ok=not busy, required=False)
+
+
 def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
     import torch
 
@@ -83,6 +92,7 @@ def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
     simd = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + " ".join(SIMD_FLAGS)
     out = [Check("cpu", f"{model} ({platform.machine()})"),
            Check("cpu flags", simd, ok=platform.machine() != "x86_64" or "avx2" in flags),
+           machine_load(os.getloadavg()[0], os.cpu_count() or 1),
            Check("torch", f"{torch.__version__}, {torch.get_num_threads()} threads"),
            Check("gemm fp32", f"{gemm_gflops(torch.float32):.0f} GFLOP/s (512^3, torch)"),
            Check("gemm bf16", f"{gemm_gflops(torch.bfloat16):.0f} GFLOP/s (512^3, torch)")]
