@@ -52,3 +52,21 @@ def test_the_cache_key_follows_the_content_and_a_damaged_gguf_is_refused_uncache
     with pytest.raises(ValueError, match="not a valid GGUF file"):
         models.load_policy(str(damaged))
     assert not (cache / "gguf-hf").exists() or not any((cache / "gguf-hf").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "no tokenizer"])
+def test_a_damaged_cache_entry_is_converted_again(tiny_gguf_factory, cache, damage):
+    gguf = tiny_gguf_factory("f16")
+    want = {k: v.clone() for k, v in models.load_policy(str(gguf))[0].state_dict().items()}  # off the file's mmap
+    folder = models.converted_folder(gguf)
+    if damage == "truncated weights":  # a new, short file (truncating in place would pull the mapped pages away)
+        weights = folder / "model.safetensors"
+        head = weights.read_bytes()[:1000]
+        weights.unlink()
+        weights.write_bytes(head)
+    else:
+        (folder / "tokenizer.json").unlink()
+    model, tokenizer = models.load_policy(str(gguf))
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want) and tokenizer("3 + 4").input_ids
+    assert (folder / "tokenizer.json").is_file() and (folder / "model.safetensors").stat().st_size > 10_000

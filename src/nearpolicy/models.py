@@ -104,10 +104,24 @@ def load_policy(spec: str) -> tuple[Any, Any]:
 
 
 def _load(resolved: ResolvedModel) -> tuple[Any, Any]:
+    if resolved.kind == "hf":
+        return _load_folder(resolved.path)
+    import shutil
+
+    from safetensors import SafetensorError
+
+    folder = convert_gguf(resolved.path)
+    try:
+        return _load_folder(folder)
+    except (OSError, ValueError, RuntimeError, SafetensorError):  # a damaged cache entry: convert the GGUF again
+        shutil.rmtree(folder, ignore_errors=True)
+        return _load_folder(convert_gguf(resolved.path))
+
+
+def _load_folder(folder: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = resolved.path if resolved.kind == "hf" else convert_gguf(resolved.path)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model.train()
