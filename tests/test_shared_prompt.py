@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from nearpolicy.batching import collate, forward_tokens
+from nearpolicy.batching import collate, forward_tokens, packs_completions
 from nearpolicy.ops.correction_presets import correction_spec
 from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams, required_aggregation
 from nearpolicy.policy import recompute_logprobs, sequence_logprobs
@@ -80,8 +80,10 @@ GROUPS = {
 }
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded rows"])
 @pytest.mark.parametrize("case", GROUPS)
-def test_logprobs_entropy_and_every_gradient_equal_the_padded_path(model, case):
+def test_logprobs_entropy_and_every_gradient_equal_the_padded_path(model, case, layout, monkeypatch):
+    monkeypatch.setattr("nearpolicy.policy.packs_completions", lambda *args: layout == "packed")
     groups, shuffle = GROUPS[case]
     padded, shared = _both(_rollouts(groups, shuffle=shuffle))
     lp_p, ent_p, grads_p = _forward_backward(model, padded)
@@ -93,6 +95,16 @@ def test_logprobs_entropy_and_every_gradient_equal_the_padded_path(model, case):
     # the prompt's token embeddings get their gradient only through the shared prefix: it must not be cut
     prompt_ids = torch.unique(torch.cat([shared.input_ids[i, : int(n)] for i, n in enumerate(shared.prompt_lengths)]))
     assert grads_s["model.embed_tokens.weight"][prompt_ids].abs().sum(1).min() > 0
+
+
+def test_completions_are_packed_when_that_is_cheaper():
+    """tokens x 6 hidden + attention pairs, SmolLM2's width (576) and the main job's prompt (54 tokens)."""
+    # equal lengths: nothing to save, and packing widens every token's attention to all 8 rows
+    assert not packs_completions(torch.full((8,), 39), 54, 576)  # 312 (3456 + 54 + 312) > 312 (3456 + 54 + 39)
+    # 2 and 39 steps: packing runs 41 tokens instead of 78
+    assert packs_completions(torch.tensor([2, 39]), 54, 576)  # 41 (3510 + 41) <= 78 (3510 + 39)
+    # long completions: attention over the packed row would dominate
+    assert not packs_completions(torch.tensor([4000] * 7 + [3000]), 54, 576)
 
 
 def test_prompt_groups_follow_the_prompt_ids():
@@ -107,16 +119,20 @@ def test_prompt_groups_follow_the_prompt_ids():
     assert batch.prompt_lengths.tolist() == [len(r.prompt_ids) for r in rollouts]
 
 
-def test_forward_tokens_counts_computed_and_padding_tokens():
-    """Group A: prompt 5, completions 3, 0, 7; group B: prompt 2, completion 4 (hand-counted)."""
+def test_forward_tokens_counts_computed_and_padding_tokens(monkeypatch):
+    """Group A: prompt 5, completions 3, 0, 7; group B: prompt 2, completion 4 (hand-counted; hidden 64)."""
     padded, shared = _both(_rollouts([(5, [3, 0, 7]), (2, [4])]))
     # padded, one micro-batch: 4 rows x 12 = 48 tokens, of which 48 - (8 + 5 + 12 + 6) = 17 padding
-    assert forward_tokens(padded, 4) == (48, 17)
-    # shared: A runs 5 + 3 rows x 6 steps = 23 (padding 18 - 2 - 0 - 6 = 10), B runs 2 + 3 = 5 (none)
-    assert forward_tokens(shared, 4) == (28, 10)
-    # micro-batches of 2 rows: [A0, A1] 2 x 8 (3 padding), [A2, B0] 2 x 12 (6); shared 5 + 2 x 2 (2), 5 + 6, 2 + 3
-    assert forward_tokens(padded, 2) == (40, 9)
-    assert forward_tokens(shared, 2) == (25, 2)
+    assert forward_tokens(padded, 4, 64) == (48, 17)
+    # micro-batches of 2 rows: [A0, A1] 2 x 8 (3 padding), [A2, B0] 2 x 12 (6)
+    assert forward_tokens(padded, 2, 64) == (40, 9)
+    # shared, packed (the cheaper here): A runs 5 + 2 + 0 + 6 steps, B 2 + 3; no padding
+    assert forward_tokens(shared, 4, 64) == (18, 0)
+    monkeypatch.setattr("nearpolicy.batching.packs_completions", lambda *args: False)
+    # shared, rows padded to the group's longest: A runs 5 + 3 rows x 6 steps (padding 18 - 8 = 10), B 2 + 3
+    assert forward_tokens(shared, 4, 64) == (28, 10)
+    # micro-batches of 2: [A0, A1] 5 + 2 x 2 (2 padding), [A2] 5 + 6, [B0] 2 + 3
+    assert forward_tokens(shared, 2, 64) == (25, 2)
 
 
 def _update(model, batch, settings, advantages, ref_model=None):
@@ -179,8 +195,10 @@ def test_correction_families_through_the_update_equal_the_padded_path(model, upd
     _assert_updates_equal(model, batches, advantages, _settings(loss, correction))
 
 
-def test_two_minibatches_with_the_kl_penalty_equal_the_padded_path(model, update_batches):
+@pytest.mark.parametrize("layout", ["packed", "padded rows"])
+def test_two_minibatches_with_the_kl_penalty_equal_the_padded_path(model, update_batches, layout, monkeypatch):
     """Recomputed old log-probs, two optimizer steps, and the reference model's log-probs (shared path too)."""
+    monkeypatch.setattr("nearpolicy.policy.packs_completions", lambda *args: layout == "packed")
     batches, advantages = update_batches
     ref_model = copy.deepcopy(model)
     with torch.no_grad():

@@ -89,11 +89,21 @@ def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int, shared_prompt
     return TokenBatch(input_ids, attention, positions, completion, mask, rollout_lp, has_rollout, versions, group)
 
 
-def forward_tokens(batch: TokenBatch, micro: int) -> tuple[int, int]:
-    """(tokens computed, of which padding) when the batch's rows run through the model in micro-batches of `micro`
-    rows: without prompt_group every row is padded to its micro-batch's longest prompt + completion; with it each
-    prompt group of a micro-batch runs its prompt once and its completions (all but the last token, which predicts
-    nothing) padded to the group's longest. Counts only; the model is not run."""
+def packs_completions(steps: torch.Tensor, n_prompt: int, hidden: int) -> bool:
+    """Whether a prompt group's completions run packed into one row (policy.py: no padding, but every packed token's
+    attention spans all N packed tokens) rather than as G rows padded to the longest. steps [G] int64: tokens each
+    row runs after the prompt. Picks the cheaper by a per-layer cost of about 12 hidden^2 multiply-adds per token
+    (projections, MLP) and 2 hidden per query-key pair (scores, values): tokens x 6 hidden + pairs."""
+    n, rows, width = int(steps.sum()), len(steps), int(steps.max())
+    return n * (6 * hidden + n_prompt + n) <= rows * width * (6 * hidden + n_prompt + width)
+
+
+def forward_tokens(batch: TokenBatch, micro: int, hidden: int) -> tuple[int, int]:
+    """(tokens computed, of which padding) when the batch's rows run through a model of width `hidden` in
+    micro-batches of `micro` rows: without prompt_group every row is padded to its micro-batch's longest prompt +
+    completion; with it each prompt group of a micro-batch runs its prompt once and its completions (all but the
+    last token, which predicts nothing) packed (no padding) or padded to the group's longest (packs_completions).
+    Counts only; the model is not run."""
     computed = padding = 0
     for start in range(0, len(batch), micro):
         part = batch.select(slice(start, start + micro))
@@ -104,7 +114,8 @@ def forward_tokens(batch: TokenBatch, micro: int) -> tuple[int, int]:
             continue
         for g in torch.unique(part.prompt_group):
             rows = part.prompt_group == g
-            steps = (part.completion_lengths[rows] - 1).clamp_min(0)
-            computed += int(part.prompt_lengths[rows][0]) + int(steps.max()) * int(rows.sum())
-            padding += int(steps.max()) * int(rows.sum()) - int(steps.sum())
+            n_prompt, steps = int(part.prompt_lengths[rows][0]), (part.completion_lengths[rows] - 1).clamp_min(0)
+            run = int(steps.sum()) if packs_completions(steps, n_prompt, hidden) else int(steps.max()) * len(steps)
+            computed += n_prompt + run
+            padding += run - int(steps.sum())
     return computed, padding
