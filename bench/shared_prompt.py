@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -73,10 +74,15 @@ def main() -> None:
     paths = {"padded": False, "shared": True}
     batches = {name: collate(rollouts, pad_token_id(tokenizer), vocab, shared) for name, shared in paths.items()}
     micro = settings.micro_batch_size
-    tokens = {name: dict(zip(("computed", "padding"), forward_tokens(b, micro, model.config.hidden_size)))
-              for name, b in batches.items()}
+    hidden = model.config.hidden_size
+    layouts = {"padded": (batches["padded"], None), "shared": (batches["shared"], None),
+               "shared, rows padded to the group's longest": (batches["shared"], False),
+               "shared, packed": (batches["shared"], True)}
+    tokens = {name: dict(zip(("computed", "padding"), forward_tokens(b, micro, hidden, pack)))
+              for name, (b, pack) in layouts.items()}
     for t in tokens.values():
         t["padding_fraction"] = t["padding"] / t["computed"]
+    load_before = os.getloadavg()[0]  # another job on this machine shows here (2 cores)
     times, outputs = {name: [] for name in paths}, {}
     for name, batch in batches.items():  # warm-up, and the equality check on the real model
         _, metrics, logprobs = timed_update(model, batch, settings, sampling, advantages)
@@ -97,14 +103,15 @@ def main() -> None:
     prompt_tokens = sorted({len(r.prompt_ids) for r in rollouts})
     meta = {"prompts": args.prompts, "group": args.group, "prompt_tokens": prompt_tokens,
             "completion_lengths": [len(r.completion_ids) for r in rollouts], "micro_batch_size": micro,
-            "threads": args.threads, "repeats": args.repeats, "cpu": model_name, "torch": torch.__version__}
+            "threads": args.threads, "repeats": args.repeats, "cpu": model_name, "torch": torch.__version__,
+            "load_average_1min": [load_before, os.getloadavg()[0]]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": meta, "tokens": tokens, "seconds_per_update": summary,
                                     "speedup": speedup, "equality": equality}, indent=2) + "\n")
     print(f"\n{model_name}, {args.threads} threads; prompts of {prompt_tokens} tokens, G = {args.group}")
     print("| path | tokens computed | padding | update s (median) | runs |\n|---|---|---|---|---|")
-    for name in paths:
-        t, s = tokens[name], summary[name]
+    for name, t in tokens.items():
+        s = summary.get(name, {"median": float("nan"), "values": []})
         print(f"| {name} | {t['computed']} | {t['padding']} ({100 * t['padding_fraction']:.1f} %) | {s['median']:.2f} | "
               f"{', '.join(f'{v:.2f}' for v in s['values'])} |")
     print(f"speedup {speedup:.2f}x; max |log-prob difference| {equality['max_abs_logprob_diff']:.2e} nats; "

@@ -128,11 +128,13 @@ def test_forward_tokens_counts_computed_and_padding_tokens(monkeypatch):
     assert forward_tokens(padded, 2, 64) == (40, 9)
     # shared, packed (the cheaper here): A runs 5 + 2 + 0 + 6 steps, B 2 + 3; no padding
     assert forward_tokens(shared, 4, 64) == (18, 0)
-    monkeypatch.setattr("nearpolicy.batching.packs_completions", lambda *args: False)
+    assert forward_tokens(shared, 4, 64, pack=True) == (18, 0)
     # shared, rows padded to the group's longest: A runs 5 + 3 rows x 6 steps (padding 18 - 8 = 10), B 2 + 3
-    assert forward_tokens(shared, 4, 64) == (28, 10)
+    assert forward_tokens(shared, 4, 64, pack=False) == (28, 10)
     # micro-batches of 2: [A0, A1] 5 + 2 x 2 (2 padding), [A2] 5 + 6, [B0] 2 + 3
-    assert forward_tokens(shared, 2, 64) == (25, 2)
+    assert forward_tokens(shared, 2, 64, pack=False) == (25, 2)
+    monkeypatch.setattr("nearpolicy.batching.packs_completions", lambda *args: False)
+    assert forward_tokens(shared, 4, 64) == (28, 10)  # pack=None follows the cost model
 
 
 def _update(model, batch, settings, advantages, ref_model=None):
