@@ -2,7 +2,11 @@
 
 Layout per sequence i: input_ids = prompt_ids + completion_ids, right-padded to L. Response tensors are
 [B, T] with T = the longest completion; completion token t of sequence i sits at input position
-len(prompt_i) + t and is predicted by the logits at position len(prompt_i) + t - 1."""
+len(prompt_i) + t and is predicted by the logits at position len(prompt_i) + t - 1.
+
+`prompt_group` [B] names the rows whose prompt ids are identical (a GRPO group's): policy.sequence_logprobs then
+runs each such prompt once and lets the group's completions attend to it (the shared-prompt path); `forward_tokens`
+counts the tokens either path computes."""
 
 from __future__ import annotations
 
@@ -24,17 +28,30 @@ class TokenBatch:
     rollout_logprobs: torch.Tensor  # [B, T] float32, NaN where missing or padding
     has_rollout: torch.Tensor  # [B, T] bool: the engine reported a log-prob for this token
     versions: torch.Tensor  # [B, T] int64, -1 at padding
+    prompt_group: torch.Tensor | None = None  # [B] int64: equal = identical prompt ids; None = no prompt sharing
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        """[B] int64: prompt tokens of each row."""
+        return self.logit_positions[:, 0] + 1
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        """[B] int64: completion tokens of each row (0 for an empty completion)."""
+        return self.attention_mask.sum(1) - self.prompt_lengths
+
     def select(self, index: slice | torch.Tensor) -> "TokenBatch":
-        return TokenBatch(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
+        return TokenBatch(**{name: None if getattr(self, name) is None else getattr(self, name)[index]
+                             for name in self.__dataclass_fields__})
 
 
-def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int) -> TokenBatch:
-    """Build a TokenBatch. Raises ValueError for token ids outside [0, vocab_size) or an empty completion
-    list."""
+def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int, shared_prompt: bool = True) -> TokenBatch:
+    """Build a TokenBatch; with `shared_prompt`, its prompt_group numbers the distinct prompts in order of first
+    appearance (else None: every row runs its own prompt). Raises ValueError for token ids outside
+    [0, vocab_size) or an empty list of rollouts."""
     if not rollouts:
         raise ValueError("cannot collate an empty list of rollouts")
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
@@ -65,4 +82,41 @@ def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int) -> TokenBatch
             rollout_lp[i, :n] = torch.tensor([lp if ok else math.nan for lp, ok in zip(r.rollout_logprobs, known)])
             has_rollout[i, :n] = torch.tensor(known)
             versions[i, :n] = torch.tensor(r.versions)
-    return TokenBatch(input_ids, attention, positions, completion, mask, rollout_lp, has_rollout, versions)
+    group = None
+    if shared_prompt:
+        index: dict[tuple[int, ...], int] = {}
+        group = torch.tensor([index.setdefault(tuple(r.prompt_ids), len(index)) for r in rollouts], dtype=torch.long)
+    return TokenBatch(input_ids, attention, positions, completion, mask, rollout_lp, has_rollout, versions, group)
+
+
+def packs_completions(steps: torch.Tensor, n_prompt: int, hidden: int) -> bool:
+    """Whether a prompt group's completions run packed into one row (policy.py: no padding, but every packed token's
+    attention spans all N packed tokens) rather than as G rows padded to the longest. steps [G] int64: tokens each
+    row runs after the prompt. Picks the cheaper by a per-layer cost of about 12 hidden^2 multiply-adds per token
+    (projections, MLP) and 2 hidden per query-key pair (scores, values): tokens x 6 hidden + pairs."""
+    n, rows, width = int(steps.sum()), len(steps), int(steps.max())
+    return n * (6 * hidden + n_prompt + n) <= rows * width * (6 * hidden + n_prompt + width)
+
+
+def forward_tokens(batch: TokenBatch, micro: int, hidden: int, pack: bool | None = None) -> tuple[int, int]:
+    """(tokens computed, of which padding) when the batch's rows run through a model of width `hidden` in
+    micro-batches of `micro` rows: without prompt_group every row is padded to its micro-batch's longest prompt +
+    completion; with it each prompt group of a micro-batch runs its prompt once and its completions (all but the
+    last token, which predicts nothing) packed (no padding) or padded to the group's longest (`pack`; None: as
+    packs_completions picks). Counts only; the model is not run."""
+    computed = padding = 0
+    for start in range(0, len(batch), micro):
+        part = batch.select(slice(start, start + micro))
+        if part.prompt_group is None:
+            width = int(part.attention_mask.sum(1).max())
+            computed += width * len(part)
+            padding += width * len(part) - int(part.attention_mask.sum())
+            continue
+        for g in torch.unique(part.prompt_group):
+            rows = part.prompt_group == g
+            n_prompt, steps = int(part.prompt_lengths[rows][0]), (part.completion_lengths[rows] - 1).clamp_min(0)
+            packed = packs_completions(steps, n_prompt, hidden) if pack is None else pack
+            run = int(steps.sum()) if packed else int(steps.max()) * len(steps)
+            computed += n_prompt + run
+            padding += run - int(steps.sum())
+    return computed, padding

@@ -193,6 +193,9 @@ class AlgorithmConfig(Section):
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over a mini-batch."""
+    shared_prompt: bool = True
+    """Run each group's prompt once per micro-batch, its completions attending to it (exact, policy.py; DualKV);
+    off: every sequence runs prompt + completion, padded to the micro-batch's longest."""
     lr: float = Field(2e-5, gt=0, le=1)
     """AdamW learning rate (constant, no schedule; 0 < lr <= 1)."""
     weight_decay: float = Field(0.0, ge=0)

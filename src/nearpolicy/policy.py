@@ -1,26 +1,107 @@
-"""Trainer-side log-probs of sampled tokens (fp32, token-in/token-out)."""
+"""Trainer-side log-probs of sampled tokens (fp32, token-in/token-out).
+
+Two ways to run a TokenBatch through the model, equal to float32 rounding:
+- padded: every row runs its prompt + completion, right-padded to the batch's longest row;
+- shared prompt (the batch has a prompt_group): per group of rows with identical prompt ids, the prompt runs once
+  ([1, P], its key/values kept with their graph) and the completions (all but their last token, which predicts
+  nothing) run at positions P, P+1, ... attending to that one prefix: packed into one row with a block mask, no
+  padding, or as G rows on the cache repeated G times, padded to the group's longest (the cheaper,
+  batching.packs_completions). Causal attention makes the prompt's hidden states the same in every row, so this is
+  exact, and the gradient of all G completions flows back through the one prefix. Source: "Shared-Prompt Flash
+  Attention for Efficient RL Training with Large Rollouts and Long Contexts" (DualKV): N(P+R) tokens repacked
+  into P + NR.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from nearpolicy.batching import TokenBatch
+from nearpolicy.batching import TokenBatch, packs_completions
 from nearpolicy.ops.logprobs import token_logprobs_and_entropy
 from nearpolicy.types import SamplingParams
 
 
 def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, T] (nats, grad if enabled) of the completion ids under the sampling transform, and the
-    entropy [B, T] of that distribution (detached). Padding positions hold finite junk: mask them."""
-    # Run the LM head only where a completion token is predicted: prompt positions need no logits.
+    entropy [B, T] of that distribution (detached). Padding positions hold finite junk (the same on both paths:
+    the logits at the prompt's last position): mask them. Runs the shared-prompt path when batch.prompt_group is
+    set (module docstring), else the padded path; that needs a transformers decoder whose base model takes `cache`,
+    `position_ids` and a 4-D additive attention mask (sdpa or eager attention)."""
+    hidden = _padded_hidden(model, batch) if batch.prompt_group is None else _shared_hidden(model, batch)
+    # The LM head runs only where a completion token is predicted: prompt positions need no logits.
+    picked = model.get_output_embeddings()(hidden).float()  # [B, T, V]
+    return token_logprobs_and_entropy(
+        picked, batch.completion_ids, sampling.temperature, sampling.top_k, sampling.top_p
+    )
+
+
+def _padded_hidden(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """Final hidden states [B, T, H] at batch.logit_positions, every row run in full (right-padded)."""
     hidden = model.base_model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
     ).last_hidden_state  # [B, L, H]
     index = batch.logit_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    picked = model.get_output_embeddings()(torch.gather(hidden, 1, index)).float()  # [B, T, V]
-    return token_logprobs_and_entropy(
-        picked, batch.completion_ids, sampling.temperature, sampling.top_k, sampling.top_p
-    )
+    return torch.gather(hidden, 1, index)
+
+
+def _shared_hidden(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """Final hidden states [B, T, H] at batch.logit_positions, each prompt group's prompt run once."""
+    parts, order = [], []
+    for group in torch.unique(batch.prompt_group):
+        rows = (batch.prompt_group == group).nonzero().squeeze(1)
+        parts.append(_group_hidden(model, batch, rows))
+        order.append(rows)
+    return torch.cat(parts)[torch.argsort(torch.cat(order))]
+
+
+def _group_hidden(model: torch.nn.Module, batch: TokenBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Hidden states [G, T, H] of one prompt group's rows (identical prompts of P tokens): the prompt [1, P] once,
+    then the completions on its key/value cache (not detached), packed or padded (batching.packs_completions)."""
+    from transformers import DynamicCache
+
+    n_prompt, lengths = int(batch.prompt_lengths[rows[0]]), batch.completion_lengths[rows]
+    steps = (lengths - 1).clamp_min(0)  # tokens each row runs after the prompt: its last token predicts nothing
+    cache = DynamicCache(config=model.config)
+    prefix = model.base_model(input_ids=batch.input_ids[rows[:1], :n_prompt], cache=cache, use_cache=True)
+    states = prefix.last_hidden_state[0, -1:]  # [1, H]: the prompt's last position, predicts completion token 0
+    starts = torch.zeros(len(rows), dtype=torch.long)
+    if int(steps.sum()) > 0:
+        run = _packed if packs_completions(steps, n_prompt, model.config.hidden_size) else _padded_rows
+        completion_states, starts = run(model, cache, batch.completion_ids[rows], steps, n_prompt)
+        states = torch.cat([states, completion_states])
+    t = torch.arange(batch.completion_ids.shape[1])
+    index = torch.where((t >= 1) & (t < lengths[:, None]), starts[:, None] + t, 0)  # padding: the prompt's last
+    return states[index]
+
+
+def _padded_rows(model, cache, completions: torch.Tensor, steps: torch.Tensor, n_prompt: int):
+    """The completions [G, T] as G rows of the longest row's steps S, on the prefix cache repeated G times.
+    Returns (hidden [G S, H], [G] index in it, minus 1, of each row's first token)."""
+    rows, width = len(steps), int(steps.max())
+    cache.batch_repeat_interleave(rows)
+    attention = torch.cat([torch.ones((rows, n_prompt), dtype=torch.long),
+                           (torch.arange(width) < steps[:, None]).long()], dim=1)
+    positions = torch.arange(n_prompt, n_prompt + width).expand(rows, -1)
+    out = model.base_model(input_ids=completions[:, :width], attention_mask=attention, position_ids=positions,
+                           cache=cache, use_cache=True).last_hidden_state  # [G, S, H]
+    return out.reshape(rows * width, -1), torch.arange(rows) * width
+
+
+def _packed(model, cache, completions: torch.Tensor, steps: torch.Tensor, n_prompt: int):
+    """The completions [G, T] packed into one row of N = sum(steps) tokens, each attending to the prefix and its own
+    row's earlier tokens (a 4-D additive mask [1, 1, N, P + N]). Returns (hidden [N, H], [G] index in it, minus 1,
+    of each row's first token)."""
+    ids = completions[torch.arange(completions.shape[1]) < steps[:, None]]  # [N], row by row
+    row = torch.arange(len(steps)).repeat_interleave(steps)
+    starts = torch.cumsum(steps, 0) - steps
+    t = torch.arange(len(ids)) - starts[row]  # position of each packed token in its row
+    allowed = torch.cat([torch.ones((len(ids), n_prompt), dtype=torch.bool),
+                         (row[:, None] == row[None, :]) & (t[None, :] <= t[:, None])], dim=1)
+    dtype = model.get_output_embeddings().weight.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    out = model.base_model(input_ids=ids[None], attention_mask=mask[None, None], position_ids=(n_prompt + t)[None],
+                           cache=cache, use_cache=True).last_hidden_state[0]  # [N, H]
+    return out, starts
 
 
 @torch.no_grad()

@@ -87,7 +87,7 @@ def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], samp
     advantages, [N], or [N, T] with on-policy distillation; the distillation metrics)."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     adv = compute_advantages(cfg.algorithm.advantage, rewards, torch.tensor([r.group_id for r in rollouts]))
-    batch = collate(rollouts, session.pad_id, session.vocab_size)
+    batch = collate(rollouts, session.pad_id, session.vocab_size, cfg.algorithm.shared_prompt)
     if session.teacher is None:
         return rewards, adv, batch, adv.advantages.float(), {}
     advantages, metrics = distill_advantages(cfg, session.teacher, batch, adv.advantages.float(), sampling)
