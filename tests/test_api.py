@@ -146,3 +146,22 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tiny_model_dir, tmp_p
     assert proc.returncode != 0
     assert 'put the call under `if __name__ == "__main__":`' in proc.stderr
     assert "the scoring process exited while starting" in proc.stderr
+
+
+def test_a_reward_module_that_cannot_load_in_the_scoring_process_is_a_training_error(tiny_model_dir, tmp_path):
+    (tmp_path / "childfail.py").write_text(textwrap.dedent("""
+        import multiprocessing
+        if multiprocessing.parent_process() is not None:  # fine at the start-up check, broken in the child
+            raise ImportError("this module cannot load in a child process")
+        def reward(completion):
+            return 0.5
+        """))
+    cfg = _setup(tmp_path, tiny_model_dir, f"task.reward_function='{tmp_path / 'childfail.py'}:reward'")
+    with pytest.raises(nearpolicy.TrainingError) as err:
+        nearpolicy.train(cfg, progress=False, log=lambda _: None)
+    assert err.value.exit_code == 1
+    assert str(err.value).startswith("error: the scoring process exited while starting (exit code 1); its error is "
+                                     f"above (task.reward_function '{tmp_path / 'childfail.py'}:reward' runs there) "
+                                     "at step 0; ")
+    with pytest.raises(TypeError, match="nearpolicy.train takes a Config .*got str 'configs/main.toml'"):
+        nearpolicy.train("configs/main.toml")

@@ -115,7 +115,7 @@ def test_the_function_gets_the_keyword_arguments_it_declares(rewards_file, tmp_p
     ("not_a_module_anywhere_xyz:f", "no module named 'not_a_module_anywhere_xyz' on sys.path"),
     ("FILE:missing", "has no attribute 'missing'"),
     ("FILE:NOT_A_FUNCTION", "'NOT_A_FUNCTION' is a int, not a function"),
-    ("FILE:no_completion", "it takes no `completion` parameter"),
+    ("FILE:no_completion", "it takes no `completion` keyword parameter, the one it must take of the keyword"),
     ("FILE:extra_required", "required parameter(s) ['tokenizer'] are not among the keyword arguments"),
     ("FILE:returns_str", "failed on a sample (the first training problem"),
     ("FILE:returns_big", "returned 1.5, outside [0, 1]"),
@@ -127,6 +127,19 @@ def test_a_bad_hook_stops_the_start_naming_task_reward_function(rewards_file, tm
     with pytest.raises(ValueError, match=r"task\.reward_function") as err:
         make_task("jsonl", path=_jsonl(tmp_path, _rows(6)), eval_size=2, reward_function=spec)
     assert needle in str(err.value)
+
+
+def test_a_module_exiting_at_import_or_a_hanging_check_stops_the_start_naming_the_key(tmp_path, monkeypatch):
+    from nearpolicy.tasks import python_reward
+
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit('I exit at import')\n")
+    with pytest.raises(ValueError, match=r"task\.reward_function .*exits\.py.*SystemExit: I exit at import"):
+        load_reward_function(f"{tmp_path / 'exits.py'}:f")
+    (tmp_path / "hangs.py").write_text("import time\ndef reward(completion):\n    time.sleep(30)\n    return 0.0\n")
+    monkeypatch.setattr(python_reward, "CHECK_S", 0.5)
+    with pytest.raises(ValueError, match=r"task\.reward_function .* failed on a sample .*TimeoutError: no answer "
+                                         r"within 0\.5 s"):
+        make_task("jsonl", path=_jsonl(tmp_path, _rows(6)), eval_size=2, reward_function=f"{tmp_path / 'hangs.py'}:reward")
 
 
 def test_an_import_error_inside_the_module_is_not_called_a_missing_module(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ ValidationError on a bad value).
 The `if __name__ == "__main__":` guard: the scoring process, the llama.cpp engine process and engine replicas are
 started with multiprocessing "spawn", and each imports the calling script again (as "__mp_main__"), running its
 top-level code. A `train` call reached while a child process imports the script exits that child (SystemExit) with a
-message naming the guard; the run then stops with the child's start-up error (ScoringError or EngineError)."""
+message naming the guard; the run then stops with the child's start-up error (a TrainingError)."""
 
 from __future__ import annotations
 
@@ -117,8 +117,11 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
     (default: stderr). SIGINT / SIGTERM stop the run after the step in progress, checkpointing it (in the main thread).
 
     Returns a TrainResult (exit code 0, or 130 / 143 when stopped by a signal). Raises TrainingError (with the exit
-    code, 1 or 2) when the run cannot start or fails, SystemExit when called while a child process imports the
-    script, and ScoringError when the scoring process cannot start."""
+    code, 1 or 2) when the run cannot start or fails (the scoring process failing to start included), TypeError
+    when `cfg` is not a Config, SystemExit when called while a child process imports the script."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"nearpolicy.train takes a Config (nearpolicy.load_config(path) or nearpolicy.Config(...)), "
+                        f"got {type(cfg).__name__} {cfg!r:.80}")
     _refuse_in_a_spawned_child()
     say = log or (lambda msg: print(msg, file=sys.stderr))
     code, message = run_training(cfg, resume, say, progress)

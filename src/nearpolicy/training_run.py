@@ -16,6 +16,7 @@ def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
     --resume of a finished run (nothing to do)."""
     from nearpolicy.engines.base import EngineError
     from nearpolicy.runs import RunExistsError, RunFinished
+    from nearpolicy.tasks.scoring import ScoringError
     from nearpolicy.trackers import TrackerError
     from nearpolicy.trainer import open_trainer
 
@@ -23,7 +24,7 @@ def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
         return open_trainer(cfg, resume=resume, log=log), None
     except RunFinished as finished:
         return None, (0, str(finished))
-    except (RunExistsError, OSError, ValueError, TrackerError) as err:
+    except (RunExistsError, OSError, ValueError, TrackerError, ScoringError) as err:
         return None, (2, f"error: {err}")
     except EngineError as err:
         return None, (2, f"error: {err}\n{engine_advice(cfg)}")
@@ -82,6 +83,7 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
     from nearpolicy.engines.base import EngineError
     from nearpolicy.engines.process import EngineDied
     from nearpolicy.signals import StopRequested
+    from nearpolicy.tasks.scoring import ScoringError
 
     try:
         run_dir = trainer.fit(stop, progress=progress)
@@ -98,9 +100,11 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
                                        f"progress was not completed; {where}")
         return 1, (f"error: {died}\n{where}; engine.precision and engine.extra_buffers may change on --resume\n"
                    f"{engine_advice(trainer.cfg)}")
-    except (KeyboardInterrupt, EngineError, ValueError, FloatingPointError, OSError) as err:
+    except (KeyboardInterrupt, EngineError, ScoringError, ValueError, FloatingPointError, OSError) as err:
         where = last_checkpoint_said(trainer.run_dir, trainer.state.step)
         reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
+        if isinstance(err, ScoringError) and trainer.cfg.task.reward_function:
+            reason += f" (task.reward_function {trainer.cfg.task.reward_function!r} runs there)"
         return (130 if isinstance(err, KeyboardInterrupt) else 1), f"{reason} at step {trainer.state.step}; {where}"
     finally:
         trainer.close()

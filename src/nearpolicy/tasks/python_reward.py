@@ -20,12 +20,15 @@ scores 0 (reward/timeouts)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import math
 import numbers
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,7 +53,7 @@ def _import(module: str, spec: str):
         sys.modules[name] = loaded  # so that pickle and dataclasses inside it find it
         try:
             loader_spec.loader.exec_module(loaded)
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # a module that calls sys.exit at import, too
             sys.modules.pop(name, None)
             raise ValueError(f"{where}: importing {path} failed: {type(err).__name__}: {err}") from err
         return loaded
@@ -65,8 +68,30 @@ def _import(module: str, spec: str):
             raise ValueError(f"{where}: no module named {module!r} on sys.path (put its folder on PYTHONPATH, run "
                              f"from that folder, or give a file path: 'rewards.py:function')") from err
         raise ValueError(f"{where}: importing module {module!r} failed: ModuleNotFoundError: {err}") from err
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a module that calls sys.exit at import, too
         raise ValueError(f"{where}: importing module {module!r} failed: {type(err).__name__}: {err}") from err
+
+
+CHECK_S = 60.0  # the start-up check's call; training calls run under task.reward_timeout_s in the scoring process
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """TimeoutError when the block runs past `seconds` (SIGALRM; no limit outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"no answer within {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _declared(function: Callable, spec: str) -> tuple[str, ...] | None:
@@ -82,8 +107,9 @@ def _declared(function: Callable, spec: str) -> tuple[str, ...] | None:
                and (p.name not in ARGUMENTS or p.kind is p.POSITIONAL_ONLY)]
     names = tuple(p.name for p in parameters if p.name in ARGUMENTS and p.kind is not p.POSITIONAL_ONLY)
     if unknown or "completion" not in names:
-        why = f"required parameter(s) {unknown} are not" if unknown else "it takes no `completion` parameter; it must"
-        raise ValueError(f"task.reward_function {spec!r}: {why} among the keyword arguments it is called with: "
+        why = (f"its required parameter(s) {unknown} are not among" if unknown
+               else "it takes no `completion` keyword parameter, the one it must take of")
+        raise ValueError(f"task.reward_function {spec!r}: {why} the keyword arguments it is called with: "
                          f"{', '.join(ARGUMENTS)} (e.g. def reward(completion, answer, **kwargs) -> float in [0, 1])")
     return names
 
@@ -133,8 +159,9 @@ class PythonRewardTask:
     def _check_on_a_sample(self) -> None:
         problem = self.task.train_problem(0)
         try:
-            self.score(problem.answer, problem)
-        except Exception as err:
+            with _time_limit(CHECK_S):
+                self.score(problem.answer, problem)
+        except (Exception, SystemExit) as err:
             raise ValueError(f"task.reward_function {self.spec!r} failed on a sample (the first training problem, "
                              f"its reference answer {problem.answer!r:.40} as the completion): "
                              f"{type(err).__name__}: {err}") from err

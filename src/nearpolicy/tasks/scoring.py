@@ -98,10 +98,9 @@ class BoundedScorer:
             try:
                 message = self._receive(deadline)
             except (EOFError, OSError):
-                code = self._proc.exitcode
+                code = self._exit_code()
                 self._kill()
-                raise ScoringError(f"the scoring process exited while starting (exit code {code}); its error is "
-                                   "above") from None
+                raise ScoringError(f"the scoring process exited while starting ({code}); its error is above") from None
             if message is None:
                 self._kill()
                 raise ScoringError(f"the scoring process did not start within {self.startup_s:.0f} s")
@@ -116,6 +115,19 @@ class BoundedScorer:
                 return None
             if self._conn.poll(min(left, POLL_S)):
                 return self._conn.recv()
+
+    def _exit_code(self) -> str:
+        """How the child ended, e.g. 'exit code 3' or 'SIGKILL' (waits up to 5 s for a closing child)."""
+        if self._proc is None:
+            return "exit code unknown"
+        self._proc.join(5)
+        code = self._proc.exitcode
+        if code is not None and code < 0:
+            try:
+                return signal.Signals(-code).name
+            except ValueError:
+                return f"signal {-code}"
+        return f"exit code {code}"
 
     def _kill(self) -> None:
         if self._proc is not None:
@@ -151,9 +163,9 @@ class BoundedScorer:
                 try:
                     message = self._receive(time.monotonic() + self.timeout_s)
                 except (EOFError, OSError):
-                    code = self._proc.exitcode if self._proc is not None else None
+                    code = self._exit_code()
                     self._kill()
-                    return out + [ScoreResult(math.nan, "error", f"the scoring process died (exit code {code})")]
+                    return out + [ScoreResult(math.nan, "error", f"the scoring process died ({code})")]
                 if message is None:
                     self._kill()
                     return out + [ScoreResult(0.0, "timeout", f"reward call exceeded task.reward_timeout_s = "
