@@ -56,6 +56,19 @@ def test_a_resume_drops_the_samples_of_the_evals_it_runs_again(tmp_path, resumed
     SampleLog(tmp_path).write([_row(0), _row(10), _row(20)])
     SampleLog(tmp_path, resumed_at=resumed_at)
     assert [r["step"] for r in read_samples(tmp_path)[0]] == kept
+    aside = tmp_path / "samples.before-restart.jsonl"  # a start over keeps the earlier start's samples aside
+    if resumed_at == 0:
+        assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [0, 10, 20]
+    else:
+        assert not aside.exists()
+
+
+def test_a_resume_keeps_the_lines_it_cannot_read(tmp_path):
+    text = json.dumps(_row(0)).encode() + b"\n\xff\xfe not utf-8\n" + json.dumps(_row(20)).encode() + b"\n[1]\n"
+    (tmp_path / "samples.jsonl").write_bytes(text)
+    SampleLog(tmp_path, resumed_at=10)
+    assert (tmp_path / "samples.jsonl").read_bytes() == (json.dumps(_row(0)).encode() + b"\n\xff\xfe not utf-8\n"
+                                                         + b"[1]\n")
 
 
 def test_unreadable_lines_are_skipped_with_a_warning(tmp_path):

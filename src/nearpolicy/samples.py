@@ -26,16 +26,21 @@ class SampleLog:
     """Appends eval samples to run_dir/samples.jsonl.
 
     `resumed_at` is the step the run continues from (0 for a fresh start): rows of steps the run evaluates again are
-    dropped at construction (all rows at 0; those after `resumed_at` otherwise, since the eval of the checkpointed
-    step itself was written before its checkpoint)."""
+    dropped at construction, those after `resumed_at` (the eval of the checkpointed step itself was written before
+    its checkpoint); lines it cannot read are kept as they are. A start over (0) moves an existing file aside to
+    samples.before-restart.jsonl."""
 
     def __init__(self, run_dir: Path, resumed_at: int = 0):
         self.path = Path(run_dir) / SAMPLES
-        if self.path.exists():
-            keep = [row for row in read_samples(run_dir)[0] if row["step"] <= resumed_at] if resumed_at > 0 else []
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
-            tmp.replace(self.path)
+        if not self.path.exists():
+            return
+        if resumed_at == 0:  # a start over: the earlier start's samples are kept aside, like its metrics
+            self.path.replace(self.path.with_name("samples.before-restart.jsonl"))
+            return
+        keep = [line for line in self.path.read_bytes().splitlines(keepends=True) if _kept(line, resumed_at)]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in keep))
+        tmp.replace(self.path)
 
     def write(self, rows: list[dict]) -> None:
         """Append `rows` (the fields of the module docstring); a NaN or infinite reward is written as null."""
@@ -44,6 +49,17 @@ class SampleLog:
                 reward = row.get("reward")
                 clean = row | {"reward": reward if reward is not None and math.isfinite(reward) else None}
                 f.write(json.dumps(clean) + "\n")
+
+
+def _kept(line: bytes, resumed_at: int) -> bool:
+    """Whether a resume keeps this line: every line but a sample of a step after `resumed_at` (evaluated again);
+    a line that cannot be read stays as it is (the file is never made to lose what it cannot parse)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return bool(line.strip())
+    step = row.get("step") if isinstance(row, dict) else None
+    return not (isinstance(step, int) and not isinstance(step, bool) and step > resumed_at)
 
 
 def read_samples(run_dir: Path) -> tuple[list[dict], list[str]]:
