@@ -4,6 +4,7 @@ within their precision's bound; the chat template and end-of-generation set surv
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -97,6 +98,7 @@ def test_export_gives_an_hf_folder_and_ggufs_with_the_trainers_logprobs(trained,
 
 def test_export_cli_refusals_and_forced_replacement(trained, tmp_path, capsys):
     run = trained[0]
+    model_file = Path(json.loads((run / "config.json").read_text())["model"]["path"])
     (tmp_path / "empty-run").mkdir()
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -105,7 +107,11 @@ def test_export_cli_refusals_and_forced_replacement(trained, tmp_path, capsys):
                          ([str(tmp_path / "empty-run")], "has no checkpoint"),
                          ([str(run), "--step", "7"], "no checkpoint of step 7; steps with one: 1, 2"),
                          ([str(run), "--out", str(taken)], "exists and is not empty; pass --force"),
-                         ([str(run), "--out", str(run), "--force"], "would hold or replace the run's checkpoints")]:
+                         ([str(run), "--out", str(run), "--force"], "would hold or replace the run's checkpoints"),
+                         ([str(run), "--out", ".", "--force"], "holds the current folder"),
+                         ([str(run), "--out", "..", "--force"], "holds the current folder"),
+                         ([str(run), "--out", str(model_file.parent), "--force"],
+                          "would hold or replace the run's model.path")]:
         assert main(["export", *args]) == 2, args
         assert needle in capsys.readouterr().err, args
     with pytest.raises(SystemExit) as bad:

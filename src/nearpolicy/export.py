@@ -65,6 +65,12 @@ def check_output(out: Path, run_dir: Path, force: bool) -> None:
     out, run = Path(out).resolve(), Path(run_dir).resolve()
     if run.is_relative_to(out) or out.is_relative_to(run / "checkpoints"):
         raise ExportError(f"--out {out} would hold or replace the run's checkpoints; choose another folder")
+    if Path.cwd().resolve().is_relative_to(out):
+        raise ExportError(f"--out {out} holds the current folder; choose a new folder")
+    spec = _model_section(run).get("path")
+    model = Path(str(spec)).expanduser().resolve() if spec else None
+    if model is not None and model.exists() and (model.is_relative_to(out) or out.is_relative_to(model)):
+        raise ExportError(f"--out {out} would hold or replace the run's model.path {model}; choose another folder")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -80,7 +86,7 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
     `out` then)."""
     run_dir = Path(run_dir)
     step, checkpoint = find_checkpoint(run_dir, step)
-    out = Path(out) if out is not None else run_dir / "export" / checkpoint.name
+    out = Path(out).resolve() if out is not None else run_dir / "export" / checkpoint.name
     check_output(out, run_dir, force)
     spec, resolved, engine = _run_model(run_dir)
     ggufs = tuple(dict.fromkeys((engine.get("precision", EngineConfig().precision),) if ggufs is None else ggufs))
@@ -107,16 +113,22 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
 def _run_model(run_dir: Path) -> tuple[str, ResolvedModel, dict]:
     """(model.path, where it resolves to, the engine section) of the run's config.json. Raises ExportError when it
     names no model.path, FileNotFoundError when that path no longer exists, ValueError when it is no model."""
-    saved = read_json_object(run_dir / "config.json")
-    spec = saved.get("model", {}).get("path")
-    if not spec:
+    spec = _model_section(run_dir).get("path")
+    if not spec or not isinstance(spec, str):
         raise ExportError(f"{run_dir / 'config.json'} is missing or names no model.path")
     try:
         resolved = resolve_model(spec)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err} (read from {run_dir / 'config.json'}; a relative path is taken from the "
                                 "current folder)") from None
-    return spec, resolved, saved.get("engine", {})
+    engine = read_json_object(run_dir / "config.json").get("engine")
+    return spec, resolved, engine if isinstance(engine, dict) else {}
+
+
+def _model_section(run_dir: Path) -> dict:
+    """The [model] section of the run's config.json ({} when absent or not a table)."""
+    model = read_json_object(Path(run_dir) / "config.json").get("model")
+    return model if isinstance(model, dict) else {}
 
 
 def trained_policy(spec: str, checkpoint: Path):
