@@ -5,6 +5,7 @@ RUN_DIR`). Loading the checkpoint itself is runs.resume_checkpoint's."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,11 @@ def stored_config(run_dir: Path, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"--set {item}: with --resume RUN_DIR the folder is RUN_DIR; run.name and "
                               "run.output_dir cannot be set (move the folder instead)")
     data.setdefault("run", {}).update(output_dir=str(run_dir.parent), name=run_dir.name)
-    return config_from_data(data, list(overrides), path)
+    config_from_data(copy.deepcopy(data), [], path)  # the stored config alone: its own errors name config.json
+    try:
+        return config_from_data(data, list(overrides), None)
+    except ConfigError as err:
+        raise ConfigError(f"--set on {path}: {err}") from None
 
 
 def check_same_config(saved_path: Path, cfg: Config) -> None:
