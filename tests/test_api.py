@@ -144,8 +144,15 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tiny_model_dir, tmp_p
         """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0
-    assert 'put the call under `if __name__ == "__main__":`' in proc.stderr
-    assert "the scoring process exited while starting" in proc.stderr
+    assert (f"TrainingError: {script} calls nearpolicy.train without an `if __name__ == \"__main__\":` block"
+            in proc.stderr)
+    assert "scoring process" not in proc.stderr  # refused before anything started
+    assert not (tmp_path / "grpo-smollm2-chain-sum").exists()  # the default run.name the script uses
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(script.read_text().replace("nearpolicy.train(cfg, progress=False)",
+                                                  "if __name__ == '__main__':\n    nearpolicy.train(cfg, progress=False)"))
+    proc = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_a_reward_module_that_cannot_load_in_the_scoring_process_is_a_training_error(tiny_model_dir, tmp_path):

@@ -98,6 +98,27 @@ def run_training(cfg: Config, resume: bool = False, log: Callable[[str], None] |
     return failed
 
 
+def _require_main_guard() -> None:
+    """TrainingError (exit code 2) before anything starts when the running script (sys.modules["__main__"], a file)
+    has no top-level `if __name__ == "__main__":` block: each child process would run its training call again.
+    Interactive sessions and notebooks (no script file) need no guard."""
+    import ast
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py") or not Path(path).is_file():
+        return
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return
+    if not any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body):
+        raise TrainingError(
+            f"{path} calls nearpolicy.train without an `if __name__ == \"__main__\":` block: the scoring and engine "
+            "processes start with multiprocessing 'spawn', which imports the script again and would run its "
+            "training call again; put the call under the guard (README, \"From Python\")", 2, Path(path).parent)
+
+
 def _refuse_in_a_spawned_child() -> None:
     """SystemExit when a multiprocessing child is importing the caller's script (no __main__ guard)."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
@@ -117,12 +138,14 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
     (default: stderr). SIGINT / SIGTERM stop the run after the step in progress, checkpointing it (in the main thread).
 
     Returns a TrainResult (exit code 0, or 130 / 143 when stopped by a signal). Raises TrainingError (with the exit
-    code, 1 or 2) when the run cannot start or fails (the scoring process failing to start included), TypeError
-    when `cfg` is not a Config, SystemExit when called while a child process imports the script."""
+    code, 1 or 2) when the run cannot start or fails (the scoring process failing to start included; a script
+    without the `__main__` guard, before anything starts), TypeError when `cfg` is not a Config, SystemExit when
+    called while a child process imports the script."""
     if not isinstance(cfg, Config):
         raise TypeError(f"nearpolicy.train takes a Config (nearpolicy.load_config(path) or nearpolicy.Config(...)), "
                         f"got {type(cfg).__name__} {cfg!r:.80}")
     _refuse_in_a_spawned_child()
+    _require_main_guard()
     say = log or (lambda msg: print(msg, file=sys.stderr))
     code, message = run_training(cfg, resume, say, progress)
     run_dir = cfg.run.output_dir / cfg.run.name
