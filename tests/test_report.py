@@ -248,7 +248,7 @@ def test_summary_report_and_compare_say_what_each_run_is(tmp_path: Path, capsys:
     second = _write_run(tmp_path / "run-b", _fake_rows(), plan={"engine": "hf:fp32", "correction_effective": "off: x"})
     assert main(["summary", str(first)]) == 0
     out = capsys.readouterr().out
-    for line in ("- engine: llamacpp:q4_1\n", "- update: grpo / ppo_clip / token-mean\n", "- KL: k3_is x 0.01\n",
+    for line in ("- model: not recorded\n", "- task: not recorded\n", "- engine: llamacpp:q4_1\n", "- update: grpo / ppo_clip / token-mean\n", "- KL: k3_is x 0.01\n",
                  "- proximal: ewma\n", "| correction/frac_low | 0.125 | 0.125 | 0.125 | 0.125 |\n",
                  "| correction/rejected_frac | 0.25 | 0.25 | 0.25 | 0.25 |\n"):
         assert line in out

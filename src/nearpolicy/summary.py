@@ -41,6 +41,16 @@ def describe_run(config: dict, plan: dict) -> dict[str, str]:
             "correction": str(effective_correction(plan) or absent), "proximal": str(c.get("proximal") or absent)}
 
 
+def _model_and_task(config: dict) -> dict[str, str]:
+    """model.path and the task (kind, dataset or file, reward) of config.json ("not recorded" without it)."""
+    model, task = config.get("model"), config.get("task")
+    model, task = (model if isinstance(model, dict) else {}), (task if isinstance(task, dict) else {})
+    data = task.get("path") if task.get("kind") == "jsonl" else task.get("name")
+    reward = f"task.reward_function {task['reward_function']}" if task.get("reward_function") else "answer check"
+    return {"model": str(model.get("path") or "not recorded"),
+            "task": f"{task['kind']}:{data}, reward: {reward}" if task.get("kind") else "not recorded"}
+
+
 def summarize(run_dir: Path, warn=None) -> str:
     """Markdown: what the run is (describe_run: engine precision, update, KL, effective correction, proximal),
     eval accuracy per eval step, min / median / mean / max of the main metrics (every correction/* metric the run
@@ -53,10 +63,10 @@ def summarize(run_dir: Path, warn=None) -> str:
     steps = [r for r in rows if "reward/mean" in r]
     evals = [(r["step"], r["eval/accuracy"]) for r in rows
              if isinstance(r.get("eval/accuracy"), (int, float)) and not isinstance(r.get("eval/accuracy"), bool)]
-    description = describe_run(read_json_object(Path(run_dir) / "config.json"),
-                               read_json_object(Path(run_dir) / "plan.json"))
+    config = read_json_object(Path(run_dir) / "config.json")
+    description = describe_run(config, read_json_object(Path(run_dir) / "plan.json"))
     out = [f"### Run `{Path(run_dir).name}`: {len(steps)} training steps", ""]
-    out += [f"- {name}: {value}" for name, value in description.items()]
+    out += [f"- {name}: {value}" for name, value in (_model_and_task(config) | description).items()]
     out += ["", "| step | eval accuracy (greedy, held-out) |", "|---|---|"]
     out += [f"| {s} | {a:.3f} |" for s, a in evals]
     out += ["", "| metric | min | median | mean | max |", "|---|---|---|---|---|"]
