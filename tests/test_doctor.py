@@ -33,7 +33,8 @@ def test_doctor_reports_this_machine_and_probes_the_engine_in_child_processes(tm
     text = "\n".join(lines)
     assert code == 0, text
     names = [line[7:].split()[0] for line in lines]
-    assert names == ["cpu", "cpu", "torch", "gemm", "gemm", "llama-cpp-python", "probe", "probe", "disk", "chromium"]
+    assert names == ["cpu", "cpu", "load", "torch", "gemm", "gemm", "llama-cpp-python", "probe", "probe", "disk",
+                     "chromium"]
     assert "AVX2 = 1" in text and "AMX_INT8 = 1" not in text  # the pinned build: AVX2 on, AMX compiled out
     probes = [line for line in lines if "probe extra_buffers=" in line]
     assert len(probes) == 2 and all(line.startswith("[ok  ]") and "decoded q4_1 in a child process" in line

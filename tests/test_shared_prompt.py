@@ -174,7 +174,9 @@ def _assert_updates_equal(model, batches, advantages, settings, ref_model=None):
     (res_p, grads_p), (res_s, grads_s) = (_update(model, b, settings, advantages, ref_model) for b in batches)
     assert res_s.metrics.keys() == res_p.metrics.keys()
     for key, value in res_p.metrics.items():
-        assert res_s.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        # sequence-level weights (seq_mis, seq_tis_rs, bypass_pg_is) exponentiate a sum of per-token log-ratios, so
+        # float32 rounding of the log-probs (a few 1e-6 nats, summed over a sequence) shows as ~2e-5 relative here
+        assert res_s.metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     mask = batches[0].mask
     assert torch.allclose(res_s.logprobs[mask], res_p.logprobs[mask], rtol=0, atol=LOGPROB_ATOL)
     assert len(grads_s) == len(grads_p) == settings.minibatches

@@ -194,7 +194,8 @@ def describe_errors(err: ValidationError, path, schema: type[BaseModel] | None =
             choices = re.findall(r"'([^']*)'", str(problem.get("ctx", {}).get("expected", "")))
             lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})"
                          f"{did_you_mean(problem.get('input'), choices)}")
-        elif not key or isinstance(problem.get("input"), dict):  # a rule over a section: its message names the keys
+        elif len(problem["loc"]) <= 1 and (not key or isinstance(problem.get("input"), dict)):
+            # a rule across sections or over one section: its own message names the keys
             lines.append(problem["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})")
