@@ -96,8 +96,10 @@ def test_export_gives_an_hf_folder_and_ggufs_with_the_trainers_logprobs(trained,
     assert written.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
 
 
-def test_export_cli_refusals_and_forced_replacement(trained, tmp_path, capsys):
+def test_export_cli_refusals_and_forced_replacement(trained, tmp_path, capsys, monkeypatch):
     run = trained[0]
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # "." and ".." below: folders that hold neither the run nor its model
     model_file = Path(json.loads((run / "config.json").read_text())["model"]["path"])
     (tmp_path / "empty-run").mkdir()
     taken = tmp_path / "taken"
@@ -121,6 +123,6 @@ def test_export_cli_refusals_and_forced_replacement(trained, tmp_path, capsys):
 
     assert main(["export", str(run), "--step", "1", "--out", str(taken), "--force", "--gguf"]) == 0
     assert "from_pretrained" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty-run", "taken"]  # nothing temporary left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "empty-run", "taken"]  # nothing temporary left
     files = {p.name for p in taken.iterdir()}
     assert "model.safetensors" in files and "mine.txt" not in files and not any(f.endswith(".gguf") for f in files)
