@@ -12,6 +12,17 @@ from pathlib import Path
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def exit_description(exitcode: int | None) -> str:
+    """How a child process ended, from its exit code: 'SIGSEGV' for one killed by signal 11 (exit code -11), else
+    'exit code N' (the engine, replica and scoring processes' crash messages)."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
 class StopRequested(Exception):
     """The run stopped on a signal after a completed step; `checkpoint` is where it was saved (None at step 0)."""
 

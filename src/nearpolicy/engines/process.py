@@ -23,6 +23,7 @@ from pathlib import Path
 
 from nearpolicy.engines.base import EngineError
 from nearpolicy.engines.llamacpp import EngineSpec, set_log_file
+from nearpolicy.signals import exit_description
 
 PHASES = {"generate": "rollout", "greedy": "eval", "score": "scoring", "update_weights": "weight sync",
           "probe": "startup probe"}
@@ -47,16 +48,6 @@ class EngineDied(EngineError):
         if self.log_tail:
             text += "; last lines of its log:\n    " + "\n    ".join(self.log_tail)
         return text
-
-
-def exit_description(exitcode: int | None) -> str:
-    """'SIGSEGV' for a process killed by signal 11 (exit code -11), else 'exit code N'."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            return signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 def tail_lines(path: Path | None, n: int = 6) -> list[str]:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import numpy as np
 
 from nearpolicy.engines.base import EngineError
-from nearpolicy.engines.process import exit_description
 from nearpolicy.rollouts.scheduler import GroupState, RolloutScheduler
 from nearpolicy.rollouts.types import SegmentJob
+from nearpolicy.signals import exit_description
 from nearpolicy.types import Rollout, SamplingParams
 
 

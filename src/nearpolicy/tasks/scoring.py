@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from nearpolicy.signals import exit_description
 from nearpolicy.tasks.base import Problem, Task, safe_score
 
 __all__ = ["BoundedScorer", "ScoreResult", "ScoringError"]
@@ -121,13 +122,7 @@ class BoundedScorer:
         if self._proc is None:
             return "exit code unknown"
         self._proc.join(5)
-        code = self._proc.exitcode
-        if code is not None and code < 0:
-            try:
-                return signal.Signals(-code).name
-            except ValueError:
-                return f"signal {-code}"
-        return f"exit code {code}"
+        return exit_description(self._proc.exitcode)
 
     def _kill(self) -> None:
         if self._proc is not None:
