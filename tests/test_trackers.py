@@ -9,7 +9,8 @@ import pytest
 
 from nearpolicy.config import load_config
 from nearpolicy.phases import progress_postfix
-from nearpolicy.trackers import TrackerError, WandbTracker, finite_scalars
+from nearpolicy.runs import finite_scalars
+from nearpolicy.trackers import TrackerError, WandbTracker
 
 
 def _tiny_run(model_dir, out, *sets):

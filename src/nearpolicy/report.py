@@ -21,7 +21,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from nearpolicy.runs import RunFolderError, read_json_object, read_metrics
+from nearpolicy.runs import RunFolderError, finite_points, is_finite_number, read_json_object, read_metrics
 from nearpolicy.samples import read_samples
 from nearpolicy.summary import describe_run
 
@@ -53,12 +53,8 @@ class Run:
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of the rows where `key` holds a finite number."""
-        points = [(row["step"], float(row[key])) for row in self.rows if _is_finite_number(row.get(key))]
+        points = finite_points(self.rows, key)
         return [s for s, _ in points], [v for _, v in points]
-
-
-def _is_finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def load_run(run_dir: Path) -> Run:
@@ -296,7 +292,7 @@ def samples_section(runs: Sequence[Run]) -> str:
 
 def _reward_text(row: dict) -> str:
     reward = row.get("reward")
-    shown = f"{reward:.3g}" if _is_finite_number(reward) else "unscorable"
+    shown = f"{reward:.3g}" if is_finite_number(reward) else "unscorable"
     status = row.get("status", "ok")
     return html.escape(shown if status == "ok" else f"{shown} ({status}: {row.get('message', '')})")
 

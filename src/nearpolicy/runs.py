@@ -51,8 +51,6 @@ class MetricsSink:
         self.trackers = list(trackers)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        from nearpolicy.trackers import finite_scalars
-
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
@@ -65,6 +63,22 @@ class MetricsSink:
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
             tracker.close()
+
+
+def is_finite_number(value) -> bool:
+    """A metric value that counts: an int or float (a bool does not) that is finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def finite_scalars(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics a tracker gets: the finite numbers (NaN / inf stay as null in metrics.jsonl only)."""
+    return {k: float(v) for k, v in metrics.items() if is_finite_number(v)}
+
+
+def finite_points(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of the metrics rows where `key` holds a finite number, in row order (summary, report, the
+    closing line of a run all read a metric this way)."""
+    return [(row["step"], float(row[key])) for row in rows if is_finite_number(row.get(key))]
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from nearpolicy.runs import read_json_object, read_metrics
+from nearpolicy.runs import finite_points, read_json_object, read_metrics
 
 MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/chi2", "mismatch/ess", "mismatch/max_abs_logprob_diff",
                  "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2"]
@@ -14,7 +14,7 @@ TIME_KEYS = ["time/rollout", "time/score", "time/recompute", "time/update", "tim
 
 
 def _stats(rows: list[dict], key: str) -> tuple[float, float, float, float] | None:
-    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    values = [value for _, value in finite_points(rows, key)]
     if not values:
         return None
     return min(values), statistics.median(values), statistics.fmean(values), max(values)
@@ -27,8 +27,8 @@ def effective_correction(plan: dict) -> str | None:
 
 def describe_run(config: dict, plan: dict) -> dict[str, str]:
     """What the run is, from config.json and plan.json (dicts; empty when absent): the engine and its precision, the
-    model the eval runs, the policy update (advantage, loss, aggregation), the KL term (estimator x coefficient), the effective correction
-    and the proximal policy. A field neither file records is "not recorded"."""
+    model the eval runs, the policy update (advantage, loss, aggregation), the KL term (estimator x coefficient),
+    the effective correction and the proximal policy. A field neither file records is "not recorded"."""
     section = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}  # noqa: E731
     a, c = section("algorithm"), section("correction")
     absent = "not recorded"
@@ -61,8 +61,7 @@ def summarize(run_dir: Path, warn=None) -> str:
         (warn or print)(warning)
     rows = metrics.rows
     steps = [r for r in rows if "reward/mean" in r]
-    evals = [(r["step"], r["eval/accuracy"]) for r in rows
-             if isinstance(r.get("eval/accuracy"), (int, float)) and not isinstance(r.get("eval/accuracy"), bool)]
+    evals = finite_points(rows, "eval/accuracy")
     config = read_json_object(Path(run_dir) / "config.json")
     description = describe_run(config, read_json_object(Path(run_dir) / "plan.json"))
     out = [f"### Run `{Path(run_dir).name}`: {len(steps)} training steps", ""]
@@ -76,6 +75,6 @@ def summarize(run_dir: Path, warn=None) -> str:
         st = _stats(steps, key)
         if st is not None:
             out.append(f"| {key} | " + " | ".join(f"{v:.4g}" for v in st) + " |")
-    train_seconds = sum(_stats([r], "time/step")[0] for r in steps if _stats([r], "time/step"))
+    train_seconds = sum(seconds for _, seconds in finite_points(steps, "time/step"))
     out += ["", f"Training time (sum of step times, evals included): {train_seconds / 60:.1f} min."]
     return "\n".join(out)

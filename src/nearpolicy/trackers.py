@@ -5,7 +5,6 @@ Trackers are imported lazily, so a run that does not ask for one never imports i
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Protocol
 
@@ -77,9 +76,3 @@ def open_trackers(run_dir: Path, logging_cfg, config: dict) -> list[Tracker]:
     if logging_cfg.wandb:
         trackers.append(WandbTracker(run_dir, logging_cfg.wandb_project, logging_cfg.wandb_mode, config))
     return trackers
-
-
-def finite_scalars(metrics: dict[str, float]) -> dict[str, float]:
-    """The metrics a tracker gets: numbers that are finite (NaN / inf stay as null in metrics.jsonl only)."""
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}

@@ -114,13 +114,12 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
 
 def accuracy_said(run_dir) -> str:
     """'eval accuracy 0.297 (step 0) -> 0.492 (step 30), best 0.695 (step 20); ' from metrics.jsonl, or ''."""
-    from nearpolicy.runs import RunFolderError, read_metrics
+    from nearpolicy.runs import RunFolderError, finite_points, read_metrics
 
     try:
-        rows = read_metrics(run_dir).rows
+        evals = finite_points(read_metrics(run_dir).rows, "eval/accuracy")
     except RunFolderError:
         return ""
-    evals = [(row["step"], row["eval/accuracy"]) for row in rows if isinstance(row.get("eval/accuracy"), float)]
     if not evals:
         return ""
     (first_step, first), (last_step, last) = evals[0], evals[-1]
