@@ -51,10 +51,10 @@ def stored_config(run_dir: Path, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"--set {item}: with --resume RUN_DIR the folder is RUN_DIR; run.name and "
                               "run.output_dir cannot be set (move the folder instead)")
     data.setdefault("run", {}).update(output_dir=str(run_dir.parent), name=run_dir.name)
-    config_from_data(copy.deepcopy(data), [], path)  # the stored config alone: its own errors name config.json
     try:
-        return config_from_data(data, list(overrides), None)
+        return config_from_data(copy.deepcopy(data), list(overrides), None)  # overrides edit the dict in place
     except ConfigError as err:
+        config_from_data(data, [], path)  # the stored config alone failing: its error names config.json
         raise ConfigError(f"--set on {path}: {err}") from None
 
 
