@@ -122,7 +122,8 @@ def test_export_cli_refusals_and_forced_replacement(trained, tmp_path, capsys, m
     assert (taken / "mine.txt").read_text() == "keep me" and (run / "checkpoints" / "step_000002").is_dir()
 
     assert main(["export", str(run), "--step", "1", "--out", str(taken), "--force", "--gguf"]) == 0
-    assert "from_pretrained" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "from_pretrained" in said and "no GGUF written (--gguf with no precision)" in said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "empty-run", "taken"]  # nothing temporary left
     files = {p.name for p in taken.iterdir()}
     assert "model.safetensors" in files and "mine.txt" not in files and not any(f.endswith(".gguf") for f in files)

@@ -241,7 +241,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"error: {err} (nothing was written at the output folder)", file=sys.stderr)
         return 1
     log(f"wrote {done.folder} (step {done.step}): AutoModelForCausalLM.from_pretrained('{done.folder}') loads it"
-        + "".join(f"; llama.cpp runs {path}" for path in done.ggufs))
+        + ("".join(f"; llama.cpp runs {path}" for path in done.ggufs) or "; no GGUF written (--gguf with no precision)"))
     return 0
 
 
