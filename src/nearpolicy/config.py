@@ -26,6 +26,7 @@ from nearpolicy.ops.kl import KL_ESTIMATORS
 from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
 from nearpolicy.ops.masked import AGGREGATIONS
 from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS
+from nearpolicy.ops.schedule import LR_SCHEDULES
 from nearpolicy.ops.self_normalize import SELF_NORMALIZE
 from nearpolicy.proximal_policy import PROXIMALS
 from nearpolicy.tasks.factory import TASK_KINDS
@@ -197,7 +198,19 @@ class AlgorithmConfig(Section):
     """Run each group's prompt once per micro-batch, its completions attending to it (exact, policy.py; DualKV);
     off: every sequence runs prompt + completion, padded to the micro-batch's longest."""
     lr: float = Field(2e-5, gt=0, le=1)
-    """AdamW learning rate (constant, no schedule; 0 < lr <= 1)."""
+    """AdamW peak learning rate (0 < lr <= 1); algorithm.lr_schedule shapes it over the run."""
+    lr_schedule: Literal[LR_SCHEDULES] = "constant"
+    """Learning rate over run.steps after the warmup: constant, linear or cosine decay to lr x min_lr_ratio at the
+    last step (ops/schedule.py; the rate of each step is logged as actor/lr)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Training steps of linear warmup from lr / warmup_steps to lr (0 = none)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The last step's learning rate as a fraction of lr, for the linear and cosine schedules."""
+    epochs: int = Field(1, ge=1)
+    """PPO epochs: passes over each rollout batch (epochs x minibatches optimizer steps per training step)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: the loss subtracts this x the token entropy of the sampling distribution (PPO's c2;
+    aggregated like the policy loss; 0 = none). Against over-sharpening (entropy collapse)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay (>= 0)."""
     adam_betas: tuple[float, float] = (0.9, 0.99)
