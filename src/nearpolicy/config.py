@@ -94,6 +94,10 @@ class EngineConfig(Section):
     """llamacpp: let llama.cpp move weights into its extra buffer types at load (CPU repacking of q4_0 into
     interleaved blocks; AMX tiles when compiled in). Off: with AMX, the first q8_0 / q4_0 / q4_1 matmul faults on
     some Intel Xeon hosts (ggml-org/llama.cpp#20824); measured effect on speed: docs/results.md sec. 6."""
+    adaptive_threads: StrictBool = True
+    """llamacpp: run each rollout / eval call on at most the cores other processes leave idle (never more than
+    run.threads or rollout.engine_threads): ggml's spin barriers make a 2-thread engine about 5x slower than a
+    1-thread one when another process holds a core (engines/cpu_load.py). Results do not depend on it."""
     tensor_precision: dict[str, Precision] = {}
     """llamacpp: per-tensor overrides of `precision`, selector -> precision, later entries win; selectors:
     embeddings, output, attention, mlp, blk.N, blk.N-M or a GGUF-name glob (e.g. {"blk.0-2" = "f16"}, the kind
