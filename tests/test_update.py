@@ -125,3 +125,42 @@ def test_duplicated_minibatch_gives_the_same_loss_and_gradient(model_and_batch, 
     assert loss4 == pytest.approx(loss1, rel=1e-5, abs=1e-7)
     for name in g1:  # float32 accumulation over 1 vs 3 micro-batches: compare by relative norm
         assert float((g4[name] - g1[name]).norm() / g1[name].norm()) < 1e-5, name
+
+
+def test_an_unscorable_sample_leaves_the_loss_denominator(model_and_batch):
+    """step_advantages drops an unscorable sample (reward NaN) from the keep-mask, so adding one to a batch leaves
+    the gradient of the others unchanged (with advantage 0 alone its tokens would still dilute the token mean)."""
+    from types import SimpleNamespace
+
+    from nearpolicy.config import load_config
+    from nearpolicy.trainer import step_advantages
+
+    model, batch = model_and_batch
+    rollouts = [r for r in _rollouts_of(batch)]
+    for r, reward in zip(rollouts, [1.0, 0.0, 1.0, float("nan"), 0.0, 1.0]):
+        r.reward = reward
+    cfg = load_config(None, ["algorithm.group_size=2", "algorithm.prompts_per_step=3", "algorithm.micro_batch_size=2",
+                             "algorithm.shared_prompt=false"])
+    session = SimpleNamespace(pad_id=2, vocab_size=49152, teacher=None)
+    _, adv, full, advantages, _ = step_advantages(cfg, session, rollouts, SAMPLING)
+    assert adv.keep.tolist() == [True, True, True, False, True, True]
+    grads = {}
+    for name, b, a, keep in (("with", full, advantages, adv.keep),
+                             ("without", full.select(torch.tensor([0, 1, 2, 4, 5])), advantages[[0, 1, 2, 4, 5]], None)):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        opt.step = lambda m=m, name=name: grads.update({name: {n: p.grad.clone() for n, p in m.named_parameters()}})
+        old = recompute_logprobs(m, b, SAMPLING, 2)[0]
+        policy_update(m, opt, b, old, a, SAMPLING, _settings(1, 2), sample_keep=keep)
+    for n, g in grads["without"].items():
+        torch.testing.assert_close(grads["with"][n], g, rtol=1e-5, atol=1e-8)
+
+
+def _rollouts_of(batch):
+    """The Rollouts a test batch was collated from (ids, engine log-probs and versions), rebuilt from the batch."""
+    out = []
+    for i in range(len(batch)):
+        n_prompt, n = int(batch.prompt_lengths[i]), int(batch.completion_lengths[i])
+        out.append(Rollout(i // 2, i % 2, batch.input_ids[i, :n_prompt].tolist(), batch.completion_ids[i, :n].tolist(),
+                           batch.rollout_logprobs[i, :n].tolist(), [0] * n, "length"))
+    return out

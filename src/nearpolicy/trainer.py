@@ -9,7 +9,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -94,12 +94,14 @@ def open_trainer(cfg: Config, *, resume: bool = False, log=print,
 
 
 def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], sampling):
-    """(rewards [N] float32, NaN = unscorable; the advantage result of algorithm.advantage; the token batch; the
-    advantages, [N], or [N, T] with on-policy distillation; the distillation metrics)."""
+    """(rewards [N] float32, NaN = unscorable; the advantage result of algorithm.advantage, whose keep-mask also
+    drops unscorable samples from the loss unless a teacher scores them; the token batch; the advantages, [N], or
+    [N, T] with on-policy distillation; the distillation metrics)."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     adv = compute_advantages(cfg.algorithm.advantage, rewards, torch.tensor([r.group_id for r in rollouts]))
     batch = collate(rollouts, session.pad_id, session.vocab_size, cfg.algorithm.shared_prompt)
-    if session.teacher is None:
+    if session.teacher is None:  # an unscorable sample leaves the loss's numerator and its denominator
+        adv = replace(adv, keep=adv.keep & torch.isfinite(rewards))
         return rewards, adv, batch, adv.advantages.float(), {}
     advantages, metrics = distill_advantages(cfg, session.teacher, batch, adv.advantages.float(), sampling)
     return rewards, adv, batch, advantages, metrics
