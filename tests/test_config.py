@@ -223,3 +223,14 @@ def test_choice_lists_and_defaults_have_one_source():
     assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (
         sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens) == (1.0, 1.0, 0, 64)
     assert typing.get_args(Config.model_fields["engine"].annotation.model_fields["precision"].annotation) == PRECISIONS
+
+
+def test_config_built_in_python_raises_config_error_naming_the_key():
+    """nearpolicy.Config(...) (the Python API) says what load_config says, not pydantic's ValidationError."""
+    from nearpolicy import Config as PublicConfig
+
+    with pytest.raises(ConfigError, match=r"^invalid config: unknown key 'run\.stepz' \(did you mean 'run\.steps'\?\)$"):
+        PublicConfig(run={"name": "x", "stepz": 3})
+    with pytest.raises(ConfigError, match=r"'algorithm\.lr': Input should be greater than 0 \(got -1\)"):
+        PublicConfig(algorithm={"lr": -1})
+    assert PublicConfig(run={"name": "ok", "steps": 3}).run.steps == 3

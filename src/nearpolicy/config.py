@@ -344,6 +344,14 @@ class Config(Section):
     logging: LoggingConfig = LoggingConfig()
     """[logging] metrics, evals, checkpoints."""
 
+    def __init__(self, **sections):
+        """Keyword construction (the Python API: `nearpolicy.Config(run={"name": ...})`) raises ConfigError naming
+        the key, with a did-you-mean, as load_config does (not pydantic's ValidationError)."""
+        try:
+            super().__init__(**sections)
+        except ValidationError as err:
+            raise ConfigError(describe_errors(err, None, Config)) from None
+
     @model_validator(mode="after")
     def _sections_agree(self) -> "Config":
         check_sections_agree(self)
@@ -365,6 +373,6 @@ def config_from_data(data: dict[str, Any], overrides: list[str] = (), where: Pat
     its file in errors. Raises ConfigError naming the offending key."""
     apply_overrides(data, overrides, CorrectionConfig().preset, TaskConfig())
     try:
-        return Config.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(describe_errors(err, where, Config)) from None
+        return Config(**data)  # its __init__ turns pydantic's ValidationError into a ConfigError naming the key
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}" if where else str(err)) from None
