@@ -1,0 +1,180 @@
+"""A synchronous MCP client for the episode loop: one stdio server process kept open, each tool call answered
+with an Observation, whatever happens to the tool.
+
+The MCP SDK is async (anyio): the session lives in one task of an event loop on a background thread, which enters
+and leaves the client's context itself (anyio's cancel scopes must be exited by the task that entered them) and
+serves calls from a queue. A call that times out, a server that dies or answers garbage, an unknown tool: an
+Observation with `error` set and the reason as its text; the next call starts a new server when the old one is
+gone. Counted in `errors` (by kind) for the run's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+DEFAULT_SERVER = (sys.executable, "-m", "nearpolicy.tools.server")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the model is shown after a tool call: `text`; `error` is None for a good result, else its kind
+    (tool_error: the tool reported a failure; timeout; server_died; protocol: garbage or a transport failure)."""
+
+    text: str
+    error: str | None = None
+
+
+class ToolClient:
+    """Tools of one MCP stdio server `command` (default: nearpolicy's own, tools/server.py). `call_timeout_s`
+    bounds each call (wall clock); `start_timeout_s` the server's start. Thread-safe; close() ends the server."""
+
+    def __init__(self, command: tuple[str, ...] = DEFAULT_SERVER, *, call_timeout_s: float = 10.0,
+                 start_timeout_s: float = 30.0):
+        self.command, self.call_timeout_s, self.start_timeout_s = tuple(command), call_timeout_s, start_timeout_s
+        self.errors: Counter = Counter()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="nearpolicy-mcp")
+        self._thread.start()
+        self._session: _Session | None = None
+        self._lock = threading.Lock()
+
+    def tool_names(self) -> list[str]:
+        """The server's tools (starts it if needed). Raises RuntimeError when it cannot start."""
+        names = self._submit(("list", None, None), self.start_timeout_s)
+        if not isinstance(names, list):
+            raise RuntimeError(f"MCP server {' '.join(self.command)} did not answer: {names}")
+        return names
+
+    def call(self, name: str, arguments: dict) -> Observation:
+        """Call tool `name` with `arguments`; never raises for what the tool or its server does."""
+        try:
+            result = self._submit(("call", name, arguments), self.call_timeout_s + self.start_timeout_s)
+        except FutureTimeout:  # the server did not even start or answer the session: a new one next time
+            self._restart()
+            return self._failed("timeout", f"error: the tool server did not answer within "
+                                           f"{self.call_timeout_s + self.start_timeout_s:g} s")
+        if isinstance(result, Observation):
+            if result.error:
+                self.errors[result.error] += 1
+            return result
+        kind = "server_died" if isinstance(result, _SessionEnded) else "protocol"
+        return self._failed(kind, f"error: the tool server failed ({result})")
+
+    def close(self) -> None:
+        self._restart()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    # -- the session task ----------------------------------------------------------------------
+    def _failed(self, kind: str, text: str) -> Observation:
+        self.errors[kind] += 1
+        return Observation(text, kind)
+
+    def _submit(self, request: tuple, timeout_s: float):
+        with self._lock:
+            session = self._session
+            if session is None or session.ending or session.task.done():
+                session = self._session = _Session()
+                session.task = asyncio.run_coroutine_threadsafe(self._serve(session), self._loop)
+            answer: Future = Future()
+            self._loop.call_soon_threadsafe(self._enqueue, session, request, answer)
+        return answer.result(timeout=timeout_s)
+
+    def _enqueue(self, session: "_Session", request, answer: Future) -> None:
+        if session.ending or session.task.done():
+            answer.set_result(_SessionEnded(session.reason))
+        elif session.queue is None:  # the session task has not started yet: keep the order
+            self._loop.call_soon(self._enqueue, session, request, answer)
+        else:
+            session.queue.put_nowait((request, answer))
+
+    def _restart(self) -> None:
+        with self._lock:
+            if self._session is not None:
+                self._session.ending = True
+                self._session.task.cancel()
+            self._session = None
+
+    async def _serve(self, session: "_Session") -> None:
+        """One server process and its MCP session, answering queued calls until a call times out or fails, the
+        server dies, or the session is cancelled (each of which ends this session and its server)."""
+        from mcp import Client
+        from mcp.client.stdio import StdioServerParameters
+
+        session.queue, pending = asyncio.Queue(), []
+        try:
+            params = StdioServerParameters(command=self.command[0], args=list(self.command[1:]))
+            async with Client(params) as client:
+                while True:
+                    (kind, name, arguments), answer = await session.queue.get()
+                    pending = [answer]
+                    try:
+                        result = await self._answer(client, kind, name, arguments)
+                    except Exception as err:  # noqa: BLE001 - the transport failed under the call
+                        closed = "closed" in str(err).lower()
+                        result = (_SessionEnded if closed else _Protocol)(f"{type(err).__name__}: {err}")
+                    failed = not isinstance(result, (Observation, list)) or result_error(result) == "timeout"
+                    session.ending = session.ending or failed
+                    answer.set_result(result)
+                    pending = []
+                    if failed:
+                        return  # leaving the context ends this server; the next call starts a new one
+        except BaseException as err:  # noqa: BLE001 - the server could not start or died, or we were cancelled
+            session.reason = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            session.ending = True
+            ended = _SessionEnded(session.reason)
+            for answer in pending + [a for _, a in _drain(session.queue)]:
+                if not answer.done():
+                    answer.set_result(ended)
+            if not isinstance(err, Exception):
+                raise
+        finally:
+            session.ending = True
+            for _, answer in _drain(session.queue):  # calls queued meanwhile get the failure, not a hang
+                answer.set_result(_SessionEnded(session.reason))
+
+    async def _answer(self, client, kind: str, name, arguments):
+        if kind == "list":
+            return [tool.name for tool in (await client.list_tools()).tools]
+        try:
+            result = await asyncio.wait_for(client.call_tool(name, arguments), self.call_timeout_s)
+        except asyncio.TimeoutError:
+            return Observation(f"error: the tool {name} did not answer within {self.call_timeout_s:g} s", "timeout")
+        text = "\n".join(getattr(part, "text", "") for part in result.content)
+        if result.is_error or text.startswith("error:"):
+            return Observation(text if text.startswith("error:") else f"error: {text}", "tool_error")
+        return Observation(text)
+
+
+class _SessionEnded(str):
+    """The session ended under a call (the server died or could not start); the text says how."""
+
+
+class _Protocol(str):
+    """A live session answered with something that is not a tool result."""
+
+
+@dataclass
+class _Session:
+    """One server process's session: its call queue (set by its task), the task, whether it is ending."""
+
+    queue: asyncio.Queue | None = None
+    task: Future | None = None
+    ending: bool = False
+    reason: str = "the tool session ended"  # why it ended, for calls that arrive after
+
+
+def result_error(result) -> str | None:
+    return result.error if isinstance(result, Observation) else None
+
+
+def _drain(queue: asyncio.Queue | None) -> list:
+    items = []
+    while queue is not None and not queue.empty():
+        items.append(queue.get_nowait())
+    return items
