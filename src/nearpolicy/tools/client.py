@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 DEFAULT_SERVER = (sys.executable, "-m", "nearpolicy.tools.server")
+_CLOSE = object()  # a session's queue item: leave the MCP context (which ends the server)
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class ToolClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="nearpolicy-mcp")
         self._thread.start()
-        self._session: _Session | None = None
+        self._session: _Session | None = None  # the session new calls go to
+        self._sessions: list[_Session] = []  # every session not yet ended, for close()
         self._lock = threading.Lock()
 
     def tool_names(self) -> list[str]:
@@ -65,8 +68,16 @@ class ToolClient:
         kind = "server_died" if isinstance(result, _SessionEnded) else "protocol"
         return self._failed(kind, f"error: the tool server failed ({result})")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 15.0) -> None:
+        """End every server this client started (each session leaves its MCP context, which closes the server's
+        stdin, then terminates and kills its process group: the SDK's shutdown), then the event loop."""
         self._restart()
+        deadline = time.monotonic() + timeout_s
+        for session in self._sessions:
+            try:
+                session.task.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - ended with an error or not in time: the loop goes anyway
+                pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
@@ -81,6 +92,7 @@ class ToolClient:
             if session is None or session.ending or session.task.done():
                 session = self._session = _Session()
                 session.task = asyncio.run_coroutine_threadsafe(self._serve(session), self._loop)
+                self._sessions = [s for s in self._sessions if not s.task.done()] + [session]
             answer: Future = Future()
             self._loop.call_soon_threadsafe(self._enqueue, session, request, answer)
         return answer.result(timeout=timeout_s)
@@ -94,11 +106,12 @@ class ToolClient:
             session.queue.put_nowait((request, answer))
 
     def _restart(self) -> None:
+        """The current session ends after the call in hand (a close request behind it in its queue)."""
         with self._lock:
-            if self._session is not None:
-                self._session.ending = True
-                self._session.task.cancel()
-            self._session = None
+            session, self._session = self._session, None
+        if session is not None:
+            session.ending = True
+            self._loop.call_soon_threadsafe(lambda: session.queue and session.queue.put_nowait((_CLOSE, None)))
 
     async def _serve(self, session: "_Session") -> None:
         """One server process and its MCP session, answering queued calls until a call times out or fails, the
@@ -110,9 +123,11 @@ class ToolClient:
         try:
             params = StdioServerParameters(command=self.command[0], args=list(self.command[1:]))
             async with Client(params) as client:
-                while True:
-                    (kind, name, arguments), answer = await session.queue.get()
-                    pending = [answer]
+                while not (session.ending and session.queue.empty()):  # ended before its close request could queue
+                    request, answer = await session.queue.get()
+                    if request is _CLOSE:
+                        return
+                    (kind, name, arguments), pending = request, [answer]
                     try:
                         result = await self._answer(client, kind, name, arguments)
                     except Exception as err:  # noqa: BLE001 - the transport failed under the call
@@ -129,14 +144,15 @@ class ToolClient:
             session.ending = True
             ended = _SessionEnded(session.reason)
             for answer in pending + [a for _, a in _drain(session.queue)]:
-                if not answer.done():
+                if answer is not None and not answer.done():
                     answer.set_result(ended)
             if not isinstance(err, Exception):
                 raise
         finally:
             session.ending = True
             for _, answer in _drain(session.queue):  # calls queued meanwhile get the failure, not a hang
-                answer.set_result(_SessionEnded(session.reason))
+                if answer is not None:
+                    answer.set_result(_SessionEnded(session.reason))
 
     async def _answer(self, client, kind: str, name, arguments):
         if kind == "list":
