@@ -15,7 +15,7 @@ import pytest
 from nearpolicy.arena.runner import classify, run_arena
 from nearpolicy.arena.spec import ArenaError, load_arena
 from nearpolicy.arena.state import ArenaState
-from nearpolicy.arena.table import changed_fraction
+from nearpolicy.arena.table import changed_fraction, collapsed
 
 BASE = """
 [run]
@@ -203,6 +203,9 @@ def test_classify_and_changed_fraction():
     row = {"correction/rejected_frac": 0.25, "correction/frac_high": 0.5, "correction/frac_low": 0.5}
     assert changed_fraction(row, "mask") == 0.25 and changed_fraction(row, "truncate") == 1.0
     assert changed_fraction({}, "mask") is None
+    # 64 eval problems: 0.40 -> 0.15 is a collapse (2 SE = 0.15 < 0.25); 0.40 -> 0.21 is not below half;
+    # on 4 problems 0.75 -> 0.25 is eval noise (2 SE = 0.71)
+    assert collapsed(0.40, 0.15, 64) and not collapsed(0.40, 0.21, 64) and not collapsed(0.75, 0.25, 4)
 
 
 def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):

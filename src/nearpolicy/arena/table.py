@@ -4,8 +4,9 @@ over the seeds, and which differences from the baseline correction lie inside th
 Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the last eval and its best; the median over
 training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over steps of the
 fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps included).
-A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its final
-accuracy fell below half its step-0 accuracy (a collapse)."""
+A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its accuracy
+collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by more than twice the binomial standard
+error of the difference on the eval set)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ from nearpolicy.arena.spec import ArenaSpec, Cell
 from nearpolicy.arena.state import ArenaState, CellRecord
 from nearpolicy.runs import RunFolderError, finite_points, is_finite_number, read_metrics
 
-COLLAPSE = 0.5  # final accuracy below this fraction of the step-0 accuracy counts as diverged
+COLLAPSE = 0.5  # final accuracy below this fraction of the step-0 accuracy (and significantly lower) is a collapse
+
+
+def collapsed(initial: float, final: float, n: int) -> bool:
+    """Whether the accuracy fell from `initial` to `final` (fractions of `n` eval problems) to below COLLAPSE x
+    initial, by more than 2 sqrt(2 p (1 - p) / n), p = (initial + final) / 2: twice the standard error of the
+    difference of two binomial proportions on n problems each (pooled), so eval noise on a small set is no collapse."""
+    p = (initial + final) / 2
+    return final < COLLAPSE * initial and initial - final > 2 * math.sqrt(2 * p * (1 - p) / max(n, 1))
 
 
 def changed_fraction(row: dict, action: str) -> float | None:
@@ -97,7 +106,7 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     if record.status == "diverged":
         result.diverged = True
     elif record.status == "done" and result.final_accuracy is not None:
-        result.diverged = bool(result.initial_accuracy and result.final_accuracy < COLLAPSE * result.initial_accuracy)
+        result.diverged = collapsed(result.initial_accuracy, result.final_accuracy, cell.config.task.eval_size)
     return result, log.warnings
 
 
