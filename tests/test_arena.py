@@ -221,3 +221,24 @@ def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
     assert "8 training steps" in out and "estimated 3m40s" in out
     assert not (tmp_path / "out").exists()
     assert main(["arena", str(tmp_path / "missing.toml")]) == 2
+
+
+@pytest.mark.parametrize("name,cells", [("arena", 24), ("arena-staleness", 18), ("arena-mc-grpo", 12)])
+def test_the_shipped_arenas_load_with_at_least_three_seeds(name, cells):
+    spec = load_arena(Path(__file__).resolve().parent.parent / "configs" / f"{name}.toml")
+    assert len(spec.cells) == cells and len(spec.seeds) >= 3
+    cfg = spec.cells[0].config
+    assert (cfg.run.steps, cfg.algorithm.prompts_per_step, cfg.sampling.max_new_tokens, cfg.task.eval_size) == (
+        12, 4, 32, 64)
+
+
+def test_eta_from_the_running_cells_pace_then_from_finished_cells(tmp_path):
+    from nearpolicy.arena.runner import eta_seconds
+
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")  # 2 steps per cell
+    state = ArenaState.open(spec.out, spec)
+    todo = list(spec.cells[:3])
+    assert eta_seconds(spec, state, todo, 100.0, (1, 1)) == (100.0 + 200.0 * 2, True)  # 100 s per step
+    state.cells[spec.cells[7].id].status, state.cells[spec.cells[7].id].seconds = "done", 300.0
+    assert eta_seconds(spec, state, todo, 100.0, (1, 1)) == (100.0 + 300.0 * 2, True)  # finished cells' mean
+    assert eta_seconds(spec, state, todo, 0.0) == (900.0, True)

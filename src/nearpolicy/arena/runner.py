@@ -60,14 +60,28 @@ def estimated_seconds(spec: ArenaSpec, cells: list[Cell]) -> float:
     return total
 
 
-def eta_seconds(spec: ArenaSpec, state: ArenaState, todo: list[Cell], elapsed: float) -> tuple[float, bool]:
-    """(seconds left for the cells `todo` (the running one first, `elapsed` seconds into it), measured?): from the
-    mean wall time of the finished cells when any, else the arena's estimates."""
+def eta_seconds(spec: ArenaSpec, state: ArenaState, todo: list[Cell], elapsed: float,
+                running: tuple[int, int] | None = None) -> tuple[float, bool]:
+    """(seconds left for the cells `todo`, measured?). `todo[0]` is the running cell, `elapsed` seconds into this
+    attempt, with `running` = (steps done in this attempt, steps left) (None: nothing running, the dry run). A cell's
+    time is the mean wall time of the finished cells when any, else the running cell's pace (elapsed / steps done
+    x its steps), else the arena's estimates; the running cell's own remainder is its pace x its steps left once it
+    has done a step."""
     finished = [r.seconds for r in state.cells.values() if r.status in FINAL and r.seconds > 0]
+    if running is None or not todo:
+        if finished:
+            return sum(finished) / len(finished) * len(todo), True
+        return estimated_seconds(spec, todo), False
+    steps, (done, left) = todo[0].config.run.steps, running
+    pace = elapsed / done if done else None
     if finished:
-        per_cell = sum(finished) / len(finished)
-        return max(0.0, per_cell * len(todo) - elapsed), True
-    return max(0.0, estimated_seconds(spec, todo) - elapsed), False
+        per_cell, measured = sum(finished) / len(finished), True
+    elif pace is not None:
+        per_cell, measured = pace * steps, True
+    else:
+        per_cell, measured = estimated_seconds(spec, todo[:1]), False
+    current = pace * left if pace is not None else max(0.0, per_cell - elapsed)
+    return current + per_cell * (len(todo) - 1), measured
 
 
 def last_step(run_dir: Path) -> int | None:
@@ -131,16 +145,18 @@ def run_cell(spec: ArenaSpec, state: ArenaState, cell: Cell, position: str, todo
     state.save()
     logs = spec.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
+    t0, first = time.monotonic(), last_step(cell.run_dir) or 0
 
     def line(step: int | None) -> str:
-        left, measured = eta_seconds(spec, state, todo, time.monotonic() - t0)
+        step = step or 0
+        left, measured = eta_seconds(spec, state, todo, time.monotonic() - t0,
+                                     (max(0, step - first), cell.config.run.steps - step))
         counts = state.counts()
         return (f"arena {position} {cell.id}: step {step}/{cell.config.run.steps} | {counts['done']} done, "
                 f"{counts['diverged']} diverged, {counts['failed']} failed | ETA {duration(left)}"
                 f"{'' if measured else ' (est.)'}")
 
-    say(line(last_step(cell.run_dir) or 0))
+    say(line(first))
     watcher = Progress(cell.run_dir, line, say)
     watcher.start()
     with (logs / f"{cell.folder}.log").open("a", encoding="utf-8") as log_file:
