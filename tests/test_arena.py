@@ -242,3 +242,13 @@ def test_eta_from_the_running_cells_pace_then_from_finished_cells(tmp_path):
     state.cells[spec.cells[7].id].status, state.cells[spec.cells[7].id].seconds = "done", 300.0
     assert eta_seconds(spec, state, todo, 100.0, (1, 1)) == (100.0 + 300.0 * 2, True)  # finished cells' mean
     assert eta_seconds(spec, state, todo, 0.0) == (900.0, True)
+
+
+def test_arena_help_says_what_it_does_and_what_it_does_not(capsys):
+    from nearpolicy.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["arena", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "--dry-run" in out and "--only CELL_GLOB" in out
+    assert "Ray workers are not supported" in out and "arena-state.json" in out
