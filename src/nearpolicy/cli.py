@@ -1,7 +1,8 @@
 """Command line: `nearpolicy train [CONFIG.toml] [--set key=value ...] [--resume] [--dry-run]`, `nearpolicy train
 --resume RUN_DIR [--set ...]`, `nearpolicy list [NAME]`, `nearpolicy config`, `nearpolicy summary RUN_DIR`,
 `nearpolicy report RUN_DIR [-o OUT.html]`, `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`,
-`nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
+`nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy arena ARENA.toml [--out DIR] [--dry-run]
+[--only CELL_GLOB]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
 [--gguf PRECISION ...]`, `nearpolicy doctor`, `nearpolicy --version`."""
 
 from __future__ import annotations
@@ -304,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(func=_compare)
     _add_diagnose(sub)
     _add_export(sub)
+    from nearpolicy.arena.command import add_arena_parser
+
+    add_arena_parser(sub)
     doc = sub.add_parser("doctor", help="what a bug report needs: CPU flags, llama.cpp features and probe, torch "
                          "GEMM speed, disk, Chromium; exit 1 when a required piece is missing")
     doc.add_argument("--runs", type=Path, default=Path("runs"), help="where checkpoints go (free disk is measured there)")

@@ -98,6 +98,11 @@ class EngineConfig(Section):
     """llamacpp: run each rollout / eval call on at most the cores other processes leave idle (never more than
     run.threads or rollout.engine_threads): ggml's spin barriers make a 2-thread engine about 5x slower than a
     1-thread one when another process holds a core (engines/cpu_load.py). Results do not depend on it."""
+    logit_noise: float = Field(0.0, ge=0, le=10)
+    """A mismatch of chosen size (0 = off): training rollouts are sampled from the logits plus seeded N(0, std^2)
+    noise per vocabulary entry and each token's log-prob is reported under that noisy distribution, so the engine
+    and the trainer differ by a known amount: E KL(mu || pi) = std^2 / 2 (1 - sum p^2) for small std at T = 1
+    (about std^2 / 2 on a flat distribution). Both engines; greedy eval is unaffected (docs/arena.md)."""
     tensor_precision: dict[str, Precision] = {}
     """llamacpp: per-tensor overrides of `precision`, selector -> precision, later entries win; selectors:
     embeddings, output, attention, mlp, blk.N, blk.N-M or a GGUF-name glob (e.g. {"blk.0-2" = "f16"}, the kind

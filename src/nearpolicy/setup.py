@@ -165,7 +165,7 @@ def engine_spec(cfg: Config, gguf_path: Path, version: int = 0, threads: int | N
     e = cfg.engine
     return EngineSpec(str(gguf_path), version, cfg.model.max_context, e.max_parallel_sequences,
                       cfg.run.threads if threads is None else threads, e.kv_cache, e.flash_attention, e.extra_buffers,
-                      e.adaptive_threads)
+                      adaptive_threads=e.adaptive_threads, logit_noise=e.logit_noise)
 
 
 def gguf_writer(cfg: Config, session: Session) -> Callable[[Path], Path]:
@@ -201,7 +201,8 @@ def build_engine(cfg: Config, session: Session, log=print):
                              log_path=session.engine_dir / "llamacpp.log", probe_prompt=probe_prompt)
     from nearpolicy.engines.hf import HFEngine
 
-    return HFEngine(session.model, session.stop_ids, dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences)
+    return HFEngine(session.model, session.stop_ids, dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences,
+                    logit_noise=e.logit_noise)
 
 
 def policy_engine(session: Session):

@@ -16,12 +16,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # config engine.hf_dty
 
 
 class HFEngine:
-    """Engine holding its own copy of the policy in `dtype`. `stop_ids` are every id that ends a response."""
+    """Engine holding its own copy of the policy in `dtype`. `stop_ids` are every id that ends a response.
+    `logit_noise` (std in logit units, >= 0; config engine.logit_noise): training samples are drawn from the logits
+    plus N(0, std^2) noise per vocabulary entry (from the generate call's seeded generator) and their log-probs are
+    reported under that noisy distribution, a mismatch of known size (engines/sampling.py); greedy and score are
+    unaffected. Raises ValueError for an unknown dtype or a negative logit_noise."""
 
     def __init__(self, model: torch.nn.Module, stop_ids: set[int], *, dtype: str = "fp32",
-                 max_parallel_sequences: int = 64, version: int = 0):
+                 max_parallel_sequences: int = 64, version: int = 0, logit_noise: float = 0.0):
         if dtype not in DTYPES:
             raise ValueError(f"hf engine dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if not logit_noise >= 0:
+            raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
+        self.logit_noise = float(logit_noise)
         self.model = copy.deepcopy(model).to(DTYPES[dtype]).eval()
         self.stop_ids = set(stop_ids)
         self.max_parallel = max_parallel_sequences
@@ -59,6 +66,8 @@ class HFEngine:
                 tok = logits.argmax(-1)
                 lp = torch.zeros(n)
             else:
+                if self.logit_noise:  # the engine samples from, and reports, the perturbed distribution
+                    logits = logits + self.logit_noise * torch.randn(logits.shape, generator=generator)
                 logp = transformed_log_softmax(logits, sampling.temperature, sampling.top_k, sampling.top_p)
                 gumbel = -torch.log(-torch.log(torch.rand(logp.shape, generator=generator).clamp_min(1e-20)))
                 tok = (logp + gumbel).argmax(-1)

@@ -70,12 +70,14 @@ class EngineSpec:
     flash_attention: bool
     extra_buffers: bool = False
     adaptive_threads: bool = True
+    logit_noise: float = 0.0
 
     def open(self) -> "LlamaCppEngine":
         return LlamaCppEngine(Path(self.gguf_path), max_context=self.max_context,
                               max_parallel_sequences=self.max_parallel_sequences, threads=self.threads,
                               version=self.version, kv_cache=self.kv_cache, flash_attention=self.flash_attention,
-                              extra_buffers=self.extra_buffers, adaptive_threads=self.adaptive_threads)
+                              extra_buffers=self.extra_buffers, adaptive_threads=self.adaptive_threads,
+                              logit_noise=self.logit_noise)
 
 
 @dataclass
@@ -101,11 +103,14 @@ class LlamaCppEngine:
     llama.cpp move weights into its "extra" buffer types (CPU repacking, AMX) at load. Off by default: with AMX
     compiled in, the AMX buffer's first matmul faults on some Xeon hosts (ggml-org/llama.cpp#20824).
     `adaptive_threads`: each generate / greedy call runs on at most the cores other processes leave idle
-    (engines/cpu_load.py; `threads_used` says how many the last call had)."""
+    (engines/cpu_load.py; `threads_used` says how many the last call had). `logit_noise` (std, logit units,
+    >= 0): training samples are drawn from logits + seeded Gaussian noise and their log-probs reported under
+    that noisy distribution (engines/sampling.py; config engine.logit_noise); greedy and score are unaffected."""
 
     def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
                  threads: int = 2, version: int = 0, unified_kv: bool = True, kv_cache: str = "f16",
-                 flash_attention: bool = False, extra_buffers: bool = False, adaptive_threads: bool = True):
+                 flash_attention: bool = False, extra_buffers: bool = False, adaptive_threads: bool = True,
+                 logit_noise: float = 0.0):
         if not 1 <= max_parallel_sequences <= LLAMA_MAX_SEQ:
             raise ValueError(f"engine.max_parallel_sequences = {max_parallel_sequences} is outside llama.cpp's range "
                              f"[1, {LLAMA_MAX_SEQ}] (LLAMA_MAX_SEQ sequences per context)")
@@ -119,6 +124,9 @@ class LlamaCppEngine:
         self.flash_attention = flash_attention
         self.extra_buffers = extra_buffers
         self.adaptive_threads = adaptive_threads
+        if not logit_noise >= 0:
+            raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
+        self.logit_noise = float(logit_noise)
         self.version = version
         self.path = Path(gguf_path)
         self._model = self._ctx = self._batch = None
@@ -258,7 +266,7 @@ class LlamaCppEngine:
             else:
                 active = []
             while active:
-                ids, lps = sample_rows(logits, sampling, rng)
+                ids, lps = sample_rows(logits, sampling, rng, self.logit_noise)
                 for s, tok, lp in zip(active, ids.tolist(), lps.tolist()):
                     s.ids.append(tok)
                     s.logprobs.append(lp)

@@ -1,0 +1,68 @@
+"""`nearpolicy arena ARENA.toml [--out DIR] [--dry-run] [--only CELL_GLOB] [--page]`: the sub-command's parser
+and handler (cli.py adds it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+Run a grid of ordinary training runs from one base config: corrections x mismatch sources x seeds (the ARENA.toml
+file; format in docs/arena.md, the shipped grid in configs/arena.toml). Every cell is a validated config (the base
+file with the arena's --set overrides), trained with the same data order per seed, budget and held-out eval. Cells
+run one after another in this process; Ray workers are not supported (a cell's own rollout.backend = "ray" still
+works). The state is kept in OUT/arena-state.json: run the same command again after an interruption and finished
+cells are skipped, an interrupted cell resumes from its last checkpoint, a failed one is tried again; a changed
+arena file is refused, naming what changed. A failed cell is recorded (divergence: non-finite steps; else an
+infrastructure failure) and the arena goes on. At the end (and after an interruption) OUT/arena.md, arena.json and a
+self-contained arena.html hold the table (final and best held-out accuracy as mean +- sd over seeds, diverged, median
+k3, fraction of tokens the correction changed, step time), which differences lie inside the seed spread, and plots
+of eval accuracy and k3 over steps. Progress (cell i/N, its step, the arena's ETA) goes to stderr; each cell's
+start-up log to OUT/logs/CELL.log.
+
+Exit codes: 0 every selected cell done or diverged; 1 a cell failed; 2 a bad or changed arena file; 130 / 143
+stopped by SIGINT / SIGTERM (run again to continue)."""
+
+
+def add_arena_parser(sub) -> None:
+    a = sub.add_parser("arena", help="a grid of runs: corrections x mismatch sources x seeds, resumable, one table",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("arena", type=Path, metavar="ARENA.toml", help="the arena file (e.g. configs/arena.toml)")
+    a.add_argument("--out", type=Path, help="output folder (default: the file's arena.out, else runs/arena-<stem>)")
+    a.add_argument("--dry-run", action="store_true",
+                   help="list the cells (status, overrides) and the estimated budget; run and write nothing")
+    a.add_argument("--only", metavar="CELL_GLOB",
+                   help="run only the cells whose id correction/source/sSEED matches, e.g. 'off/*' or '*/q4_1/s0'")
+    a.add_argument("--page", action="store_true",
+                   help="only (re)write arena.md, arena.json and arena.html from the cells run so far")
+    a.set_defaults(func=arena_command)
+
+
+def arena_command(args: argparse.Namespace) -> int:
+    from nearpolicy.arena.spec import ArenaError, load_arena
+
+    try:
+        spec = load_arena(args.arena, args.out)
+        if args.dry_run:
+            from nearpolicy.arena.runner import dry_run
+
+            print(dry_run(spec, args.only), end="")
+            return 0
+        if args.page:
+            from nearpolicy.arena.page import write_page
+            from nearpolicy.arena.state import ArenaState
+
+            for warning in write_page(spec, ArenaState.open(spec.out, spec)):
+                print(f"warning: {warning}", file=sys.stderr)
+            print(f"wrote {spec.out / 'arena.md'}, arena.json and arena.html", file=sys.stderr)
+            return 0
+        from nearpolicy.arena.runner import run_arena
+
+        return run_arena(spec, args.only)
+    except ArenaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # between cells (a cell's own run stops gracefully); the state file is intact
+        print("arena interrupted; run the same command again to continue", file=sys.stderr)
+        return 130

@@ -1,0 +1,158 @@
+"""The arena's page: OUT/arena.md (the tables and the seed-spread statements), OUT/arena.json (every number) and
+OUT/arena.html (the same tables and, per mismatch source, eval accuracy and k3 over steps for every cell: one colour
+per correction, one line per seed; matplotlib figures embedded as base64 PNGs, like report.py, so the file needs
+nothing beside it)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import asdict
+
+from matplotlib.figure import Figure
+
+from nearpolicy.arena.spec import ArenaSpec
+from nearpolicy.arena.state import ArenaState
+from nearpolicy.arena.table import Aggregate, CellResult, arena_results, duration, spread_statements
+from nearpolicy.runs import write_json
+
+COLUMNS = ("correction", "source", "seeds", "final accuracy", "best accuracy", "diverged", "median k3",
+           "tokens changed", "s/step")
+
+
+def _num(value: float | None, fmt: str = ".3f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _mean_sd(pair: tuple[float | None, float | None]) -> str:
+    mean, sd = pair
+    if mean is None:
+        return "-"
+    return f"{mean:.3f} ± {sd:.3f}" if sd is not None else f"{mean:.3f} (1 seed)"
+
+
+def aggregate_row(a: Aggregate) -> list[str]:
+    """The long table's cells for one correction x source (COLUMNS)."""
+    seeds = f"{a.n}/{a.seeds}" + (f" ({a.failed} failed or not run)" if a.failed else "")
+    return [a.correction, a.source, seeds, _mean_sd(a.final), _mean_sd(a.best),
+            f"{a.diverged}/{a.n}" if a.n else "-", _num(a.k3_median, ".2e"),
+            "-" if a.changed_fraction is None else f"{100 * a.changed_fraction:.2f} %", _num(a.step_seconds, ".1f")]
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _matrix(spec: ArenaSpec, aggregates: list[Aggregate]) -> tuple[list[str], list[list[str]]]:
+    """Rows = corrections, columns = sources; each cell: final accuracy mean ± sd, diverged count, median k3."""
+    by = {(a.correction, a.source): a for a in aggregates}
+    header = ["correction \\ source"] + [s.name for s in spec.sources]
+    rows = []
+    for c in spec.corrections:
+        row = [c.name]
+        for s in spec.sources:
+            a = by[(c.name, s.name)]
+            row.append(f"{_mean_sd(a.final)}; div {a.diverged}/{a.n}; k3 {_num(a.k3_median, '.1e')}" if a.n else "-")
+        rows.append(row)
+    return header, rows
+
+
+def _cell_rows(results: list[CellResult]) -> list[list[str]]:
+    return [[r.id, r.status + (f" ({r.failure})" if r.failure else ""), str(r.steps), _num(r.initial_accuracy),
+             _num(r.final_accuracy), _num(r.best_accuracy), _num(r.k3_median, ".2e"),
+             "-" if r.changed_fraction is None else f"{100 * r.changed_fraction:.2f} %", _num(r.step_seconds, ".1f"),
+             (r.error or "").splitlines()[-1][:160] if r.error else ""] for r in results]
+
+
+CELL_COLUMNS = ["cell", "status", "steps", "step-0 acc", "final acc", "best acc", "median k3", "changed", "s/step",
+                "error"]
+
+
+def _arms_said(spec: ArenaSpec) -> list[str]:
+    out = []
+    for kind, arms in (("source", spec.sources), ("correction", spec.corrections)):
+        out += [f"- {kind} `{a.name}`: `{' '.join(a.sets)}`" + (f" ({a.note})" if a.note else "") for a in arms]
+    return out
+
+
+def render_markdown(spec: ArenaSpec, state: ArenaState, results, aggregates, statements) -> str:
+    counts = state.counts()
+    out = [f"# Arena `{spec.path.name}`", "",
+           f"Base config `{spec.base.name}`, seeds {list(spec.seeds)}, {len(spec.cells)} cells: {counts['done']} done, "
+           f"{counts['diverged']} diverged, {counts['failed']} failed, "
+           f"{counts['pending'] + counts['running'] + counts['stopped']} not run. Machine time so far: "
+           f"{duration(state.seconds)} (wall time of every attempt). Accuracy: greedy, held-out, "
+           f"{spec.cells[0].config.task.eval_size} problems; k3: token-mean KL(mu || pi_old) estimate, nats/token.",
+           "", *_arms_said(spec), "", "## Final accuracy by correction and source (mean ± sd over seeds)", ""]
+    out += _md_table(*_matrix(spec, aggregates))
+    out += ["", "## Every correction x source", ""] + _md_table(list(COLUMNS), [aggregate_row(a) for a in aggregates])
+    out += ["", f"## Differences from `{spec.baseline}` against the seed spread", ""]
+    out += [f"- {line}" for line in statements] or ["- no comparison yet (cells missing)"]
+    out += ["", "## Cells", ""] + _md_table(CELL_COLUMNS, _cell_rows(results))
+    return "\n".join(out) + "\n"
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def source_figure(spec: ArenaSpec, results: list[CellResult], source: str) -> bytes:
+    """PNG of one source's cells: eval accuracy and k3 (log scale) over steps, a colour per correction."""
+    fig = Figure(figsize=(11, 3.6), dpi=90, layout="constrained")
+    acc_ax, k3_ax = fig.subplots(1, 2)
+    colours = [f"C{i % 10}" for i in range(len(spec.corrections))]
+    for colour, correction in zip(colours, spec.corrections):
+        mine = [r for r in results if r.source == source and r.correction == correction.name]
+        for i, r in enumerate(mine):
+            label = correction.name if i == 0 else None
+            if r.accuracy:
+                acc_ax.plot(*zip(*r.accuracy), color=colour, marker="o", ms=3, lw=1, label=label)
+            if any(v > 0 for _, v in r.k3):
+                k3_ax.plot(*zip(*[(s, v) for s, v in r.k3 if v > 0]), color=colour, lw=1, label=label)
+    acc_ax.set(title=f"{source}: eval accuracy", xlabel="step", ylabel="greedy held-out accuracy")
+    k3_ax.set(title=f"{source}: mismatch k3", xlabel="step", ylabel="k3 (nats / token)")
+    if k3_ax.lines:
+        k3_ax.set_yscale("log")
+    for ax in (acc_ax, k3_ax):
+        if ax.lines:
+            ax.legend(fontsize=7)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def render_html(spec: ArenaSpec, state: ArenaState, results, aggregates, statements) -> str:
+    figures = "".join(
+        f"<h3>{html.escape(s.name)}</h3><img alt='{html.escape(s.name)}' src='data:image/png;base64,"
+        f"{base64.b64encode(source_figure(spec, results, s.name)).decode()}'>" for s in spec.sources)
+    said = "".join(f"<li>{html.escape(line)}</li>" for line in statements) or "<li>no comparison yet</li>"
+    arms = "".join(f"<li>{html.escape(line[2:])}</li>" for line in _arms_said(spec))
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>arena {html.escape(spec.path.name)}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:13px}"
+            "td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}</style></head><body>"
+            f"<h1>Arena {html.escape(spec.path.name)}</h1><p>base {html.escape(str(spec.base))}, seeds "
+            f"{list(spec.seeds)}, {len(spec.cells)} cells</p><ul>{arms}</ul>"
+            f"<h2>Final accuracy (mean ± sd over seeds)</h2>{_html_table(*_matrix(spec, aggregates))}"
+            f"<h2>Every correction x source</h2>{_html_table(list(COLUMNS), [aggregate_row(a) for a in aggregates])}"
+            f"<h2>Differences from {html.escape(spec.baseline)} against the seed spread</h2><ul>{said}</ul>"
+            f"<h2>Eval accuracy and k3 over steps</h2>{figures}"
+            f"<h2>Cells</h2>{_html_table(CELL_COLUMNS, _cell_rows(results))}</body></html>\n")
+
+
+def write_page(spec: ArenaSpec, state: ArenaState) -> list[str]:
+    """Write OUT/arena.md, arena.json and arena.html from every cell's run so far; returns the warnings met while
+    reading the runs' metrics."""
+    results, aggregates, warnings = arena_results(spec, state)
+    statements = spread_statements(aggregates, spec.baseline)
+    spec.out.mkdir(parents=True, exist_ok=True)
+    (spec.out / "arena.md").write_text(render_markdown(spec, state, results, aggregates, statements))
+    write_json(spec.out / "arena.json", {
+        "arena": str(spec.path), "base": str(spec.base), "seeds": list(spec.seeds), "baseline": spec.baseline,
+        "corrections": [asdict(a) for a in spec.corrections], "sources": [asdict(a) for a in spec.sources],
+        "machine_seconds": state.seconds, "aggregates": [asdict(a) for a in aggregates],
+        "cells": [asdict(r) for r in results], "statements": statements})
+    (spec.out / "arena.html").write_text(render_html(spec, state, results, aggregates, statements))
+    return warnings

@@ -1,0 +1,254 @@
+"""The correction arena's machinery without a model: the arena file's validation, the cells it expands into, the
+state file (a changed arena refused), the runner's bookkeeping (finished cells never re-run, failures recorded and
+classified, a stop ends the arena) and the table's numbers, with a fake `train` that writes known metrics.
+tests/test_arena_run.py runs a tiny arena through the real training API."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from nearpolicy.arena.runner import classify, run_arena
+from nearpolicy.arena.spec import ArenaError, load_arena
+from nearpolicy.arena.state import ArenaState
+from nearpolicy.arena.table import changed_fraction, collapsed
+
+BASE = """
+[run]
+steps = 2
+[task]
+eval_size = 4
+[logging]
+eval_every = 1
+"""
+
+ARENA = """
+[arena]
+base = "base.toml"
+seeds = [0, 1]
+set = ["algorithm.lr=1e-5"]
+baseline = "off"
+
+[corrections]
+off = { preset = "off" }
+tis = { preset = "tis", set = ["correction.upper=3.0"] }
+
+[sources]
+q8 = { set = ["engine.precision='q8_0'"], note = "the default engine" }
+noise = { set = ["engine.logit_noise=0.5"] }
+"""
+
+
+def _arena(tmp_path: Path, text: str = ARENA, base: str | None = BASE) -> Path:
+    if base is not None:
+        (tmp_path / "base.toml").write_text(base)
+    path = tmp_path / "arena.toml"
+    path.write_text(text)
+    return path
+
+
+def test_cells_are_every_correction_source_and_seed_as_validated_configs(tmp_path):
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    assert [c.id for c in spec.cells] == ["off/q8/s0", "off/q8/s1", "off/noise/s0", "off/noise/s1",
+                                          "tis/q8/s0", "tis/q8/s1", "tis/noise/s0", "tis/noise/s1"]
+    cell = spec.cells[7]
+    cfg = cell.config
+    assert (cfg.run.seed, cfg.run.name, cfg.run.output_dir) == (1, "tis__noise__s1", tmp_path / "out" / "cells")
+    assert (cfg.correction.preset, cfg.correction.upper, cfg.engine.logit_noise) == ("tis", 3.0, 0.5)
+    assert cfg.algorithm.lr == 1e-5 and cfg.run.steps == 2  # arena.set and the base file
+    assert spec.cells[0].config.correction.preset == "off" and spec.cells[0].config.engine.logit_noise == 0.0
+    assert [c.id for c in spec.select("*/noise/s0")] == ["off/noise/s0", "tis/noise/s0"]
+
+
+def test_an_override_applies_to_the_cells_its_glob_matches(tmp_path):
+    spec = load_arena(_arena(tmp_path, ARENA + '\n[[override]]\ncells = "tis/*/s1"\nset = ["run.steps=3"]\n'))
+    assert {c.id: c.config.run.steps for c in spec.cells if c.config.run.steps == 3} == {"tis/q8/s1": 3,
+                                                                                         "tis/noise/s1": 3}
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t: t.replace("seeds = [0, 1]", "seeds = [0, 1, 0]"), "arena.seeds repeats 0"),
+    (lambda t: t.replace('noise = {', 'q8 = {'), "not a valid TOML file"),
+    (lambda t: t.replace('noise = {', 'Q8 = {'), "sources.Q8: the name differs from sources.q8 only in case"),
+    (lambda t: t.replace('noise = {', 'a__b = {'), "sources.a__b: a name is letters"),
+    (lambda t: t.replace('noise = {', '"a/b" = {'), "sources.a/b: a name is letters"),
+    (lambda t: t.replace("correction.upper=3.0", "correction.uper=3.0"),
+     "corrections.tis: .*unknown key 'correction.uper'"),
+    (lambda t: t.replace("correction.upper=3.0", "correction.upper=-1"), "corrections.tis: .*correction.upper"),
+    (lambda t: t.replace("baseline", "sede = 1\nbaseline"), "arena: unknown key 'sede'"),
+    (lambda t: t.replace("logit_noise=0.5", "logit_noise=0.5\", \"run.seed=3"), "sources.noise.set: run.seed is set"),
+    (lambda t: t.replace('"base.toml"', '"nope.toml"'), "arena.base: the base config .*nope.toml does not exist"),
+    (lambda t: t.replace('baseline = "off"', 'baseline = "tiss"'), "arena.baseline 'tiss' is not one"),
+    (lambda t: t.replace("engine.logit_noise=0.5", "task.eval_size=8"), "changes task.eval_size"),
+    (lambda t: t.replace("note =", "nose ="), "sources.q8: unknown key 'nose'"),
+], ids=["repeated-seed", "repeated-name", "case-collision", "double-underscore", "slash", "unknown-key",
+        "bad-value", "unknown-arena-key", "owned-key", "missing-base", "bad-baseline", "different-eval", "arm-key"])
+def test_bad_arena_files_are_refused_naming_the_problem(tmp_path, edit, match):
+    with pytest.raises(ArenaError, match=match):
+        load_arena(_arena(tmp_path, edit(ARENA)))
+
+
+def _row(step, acc=None, k3=None, rejected=0.0, high=0.0, low=0.0, seconds=2.0):
+    row = {"step": step}
+    if step:
+        row |= {"reward/mean": 0.5, "mismatch/k3": k3, "correction/rejected_frac": rejected,
+                "correction/frac_high": high, "correction/frac_low": low, "time/step": seconds}
+    if acc is not None:
+        row["eval/accuracy"] = acc
+    return row
+
+
+# (final accuracy by cell id; k3 of steps 1 and 2 by source); step-0 accuracy 0.5 everywhere
+FINAL = {"off/q8/s0": 0.50, "off/q8/s1": 0.70, "tis/q8/s0": 0.90, "tis/q8/s1": 0.95,
+         "off/noise/s0": 0.40, "off/noise/s1": 0.60, "tis/noise/s0": 0.55, "tis/noise/s1": 0.65}
+K3 = {"q8": (0.001, 0.003), "noise": (0.1, 0.3)}
+
+
+class FakeTrain:
+    """`train` for run_arena: writes each cell's known metrics.jsonl and returns a chosen outcome per cell id."""
+
+    def __init__(self, outcomes=None):
+        self.calls, self.outcomes = [], dict(outcomes or {})
+
+    def __call__(self, cfg, resume, log, progress):
+        cell = cfg.run.name.replace("__", "/")
+        self.calls.append((cell, resume))
+        run_dir = cfg.run.output_dir / cfg.run.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        outcome = self.outcomes.pop(cell, (0, "done"))
+        if isinstance(outcome, Exception):
+            raise outcome
+        k3 = K3[cell.split("/")[1]]
+        rows = [_row(0, 0.5), _row(1, 0.6, k3[0], rejected=0.1, high=0.2), _row(2, FINAL[cell], k3[1], high=0.4)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return outcome
+
+
+def test_the_table_holds_each_cells_numbers_and_the_seed_spread_statements(tmp_path):
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    assert run_arena(spec, say=lambda _: None, train=FakeTrain()) == 0
+    data = json.loads((tmp_path / "out" / "arena.json").read_text())
+    cells = {c["id"]: c for c in data["cells"]}
+    tis = cells["tis/q8/s0"]
+    assert (tis["initial_accuracy"], tis["final_accuracy"], tis["best_accuracy"]) == (0.5, 0.9, 0.9)
+    assert tis["k3_median"] == pytest.approx(0.002) and tis["step_seconds"] == pytest.approx(2.0)
+    assert tis["changed_fraction"] == pytest.approx((0.1 + 0.2 + 0.4) / 2)  # truncate: rejected + clipped
+    assert cells["off/q8/s0"]["changed_fraction"] == pytest.approx(0.1 / 2)  # off never clips: rejected only
+    agg = {(a["correction"], a["source"]): a for a in data["aggregates"]}
+    off = agg[("off", "q8")]
+    assert off["final"] == pytest.approx([0.6, statistics.stdev([0.5, 0.7])])
+    assert off["best"] == pytest.approx([0.65, statistics.stdev([0.6, 0.7])]) and off["diverged"] == 0
+    assert agg[("tis", "noise")]["k3_median"] == pytest.approx(0.2)  # median of 0.1, 0.3, 0.1, 0.3
+    se_final = 2 * math.sqrt(statistics.variance([0.9, 0.95]) / 2 + statistics.variance([0.5, 0.7]) / 2)
+    se_best = 2 * math.sqrt(statistics.variance([0.9, 0.95]) / 2 + statistics.variance([0.6, 0.7]) / 2)
+    assert (se_final, se_best) == pytest.approx((0.2062, 0.1118), abs=1e-4)
+    assert data["statements"][0] == (f"tis vs off under q8: final +0.325 (OUTSIDE the seed spread, 2 SE = 0.206); "
+                                     "best +0.275 (OUTSIDE the seed spread, 2 SE = 0.112)")
+    assert data["statements"][1].startswith("tis vs off under noise: final +0.100 (inside the seed spread, 2 SE = ")
+    md = (tmp_path / "out" / "arena.md").read_text()
+    assert "| off | 0.600 ± 0.141; div 0/2; k3 2.0e-03 | 0.500 ± 0.141; div 0/2; k3 2.0e-01 |" in md
+    html = (tmp_path / "out" / "arena.html").read_text()
+    assert html.count("data:image/png;base64,") == 2 and "OUTSIDE the seed spread" in html
+
+
+def test_finished_cells_never_rerun_and_failures_are_recorded_and_classified(tmp_path):
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    train = FakeTrain({"off/noise/s0": (1, "error: 3 consecutive steps up to step 2 had a non-finite loss or gradient"),
+                       "tis/q8/s1": RuntimeError("disk on fire")})
+    assert run_arena(spec, only="off/*", say=lambda _: None, train=train) == 0
+    assert [c for c, _ in train.calls] == ["off/q8/s0", "off/q8/s1", "off/noise/s0", "off/noise/s1"]
+    assert run_arena(spec, say=lambda _: None, train=train) == 1  # one infrastructure failure: exit 1, goes on
+    assert [c for c, _ in train.calls[4:]] == ["tis/q8/s0", "tis/q8/s1", "tis/noise/s0", "tis/noise/s1"]
+    state = json.loads((tmp_path / "out" / "arena-state.json").read_text())["cells"]
+    assert (state["off/noise/s0"]["status"], state["off/noise/s0"]["failure"]) == ("diverged", "divergence")
+    assert (state["tis/q8/s1"]["status"], state["tis/q8/s1"]["failure"]) == ("failed", "infrastructure")
+    assert "RuntimeError: disk on fire" in state["tis/q8/s1"]["error"]
+    assert run_arena(spec, say=lambda _: None, train=train) == 0  # only the failed cell is tried again, resumed
+    assert train.calls[8:] == [("tis/q8/s1", True)]
+    assert state["off/q8/s0"]["attempts"] == 1
+
+
+def test_a_stop_ends_the_arena_and_the_next_start_continues_that_cell(tmp_path):
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    train = FakeTrain({"off/q8/s1": (143, "stopped by SIGTERM at step 1")})
+    lines = []
+    assert run_arena(spec, say=lines.append, train=train) == 143
+    assert [c for c, _ in train.calls] == ["off/q8/s0", "off/q8/s1"]
+    assert any(line.startswith("arena 2/8 off/q8/s1: step 0/2 | 1 done, 0 diverged, 0 failed | ETA ") for line in lines)
+    assert run_arena(spec, say=lambda _: None, train=train) == 0
+    assert train.calls[2] == ("off/q8/s1", True) and len(train.calls) == 9  # the stopped cell, then 6 more
+
+
+def test_a_changed_arena_is_refused_naming_what_changed(tmp_path):
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    ArenaState.open(spec.out, spec).save()
+    changed = load_arena(_arena(tmp_path, ARENA.replace("correction.upper=3.0", "correction.upper=4.0")),
+                         out=tmp_path / "out")
+    with pytest.raises(ArenaError, match=r"changed: cell tis/q8/s0: correction.upper 3.0 -> 4.0"):
+        ArenaState.open(changed.out, changed)
+    more = load_arena(_arena(tmp_path, ARENA.replace("seeds = [0, 1]", "seeds = [0, 1, 2]")), out=tmp_path / "out")
+    with pytest.raises(ArenaError, match=r"4 cell\(s\) added: off/q8/s2"):
+        ArenaState.open(more.out, more)
+
+
+def test_classify_and_changed_fraction():
+    assert classify(0, "done") == ("done", None) and classify(130, "") == ("stopped", None)
+    assert classify(1, "error: weights became non-finite at step 3") == ("diverged", "divergence")
+    assert classify(1, "error: engine llamacpp:q8_0 died with SIGSEGV") == ("failed", "infrastructure")
+    assert classify(2, "error: bad input") == ("failed", "infrastructure")
+    row = {"correction/rejected_frac": 0.25, "correction/frac_high": 0.5, "correction/frac_low": 0.5}
+    assert changed_fraction(row, "mask") == 0.25 and changed_fraction(row, "truncate") == 1.0
+    assert changed_fraction({}, "mask") is None
+    # 64 eval problems: 0.40 -> 0.15 is a collapse (2 SE = 0.15 < 0.25); 0.40 -> 0.21 is not below half;
+    # on 4 problems 0.75 -> 0.25 is eval noise (2 SE = 0.71)
+    assert collapsed(0.40, 0.15, 64) and not collapsed(0.40, 0.21, 64) and not collapsed(0.75, 0.25, 4)
+
+
+def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
+    from nearpolicy.cli import main
+
+    path = _arena(tmp_path, ARENA.replace("baseline", "step_seconds = 10.0\neval_seconds = 5.0\nstart_seconds = 20.0\n"
+                                          "baseline"))
+    assert main(["arena", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--only", "tis/*"]) == 0
+    out = capsys.readouterr().out
+    assert "off/q8/s0" not in out and out.count("pending") == 4
+    assert "tis/noise/s1" in out and "engine.logit_noise=0.5 correction.preset=\"tis\" correction.upper=3.0" in out
+    # 4 cells x (20 s start + 3 evals x 5 s + 2 steps x 10 s) = 220 s
+    assert "8 training steps" in out and "estimated 3m40s" in out
+    assert not (tmp_path / "out").exists()
+    assert main(["arena", str(tmp_path / "missing.toml")]) == 2
+
+
+@pytest.mark.parametrize("name,cells", [("arena", 24), ("arena-staleness", 18), ("arena-mc-grpo", 12)])
+def test_the_shipped_arenas_load_with_at_least_three_seeds(name, cells):
+    spec = load_arena(Path(__file__).resolve().parent.parent / "configs" / f"{name}.toml")
+    assert len(spec.cells) == cells and len(spec.seeds) >= 3
+    cfg = spec.cells[0].config
+    assert (cfg.run.steps, cfg.algorithm.prompts_per_step, cfg.sampling.max_new_tokens, cfg.task.eval_size) == (
+        12, 4, 32, 64)
+
+
+def test_eta_from_the_running_cells_pace_then_from_finished_cells(tmp_path):
+    from nearpolicy.arena.runner import eta_seconds
+
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")  # 2 steps per cell
+    state = ArenaState.open(spec.out, spec)
+    todo = list(spec.cells[:3])
+    assert eta_seconds(spec, state, todo, 100.0, (1, 1)) == (100.0 + 200.0 * 2, True)  # 100 s per step
+    state.cells[spec.cells[7].id].status, state.cells[spec.cells[7].id].seconds = "done", 300.0
+    assert eta_seconds(spec, state, todo, 100.0, (1, 1)) == (100.0 + 300.0 * 2, True)  # finished cells' mean
+    assert eta_seconds(spec, state, todo, 0.0) == (900.0, True)
+
+
+def test_arena_help_says_what_it_does_and_what_it_does_not(capsys):
+    from nearpolicy.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["arena", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "--dry-run" in out and "--only CELL_GLOB" in out
+    assert "Ray workers are not supported" in out and "arena-state.json" in out
