@@ -75,6 +75,10 @@ class EngineSpec:
                               version=self.version, kv_cache=self.kv_cache, flash_attention=self.flash_attention,
                               extra_buffers=self.extra_buffers)
 
+    def log_to(self, fd: int, first_load: bool) -> None:
+        """llama.cpp's own log to `fd`: the first load in full, later reloads (weight syncs) by their warnings."""
+        set_log_file(fd, min_level=2 if first_load else 3)
+
 
 @dataclass
 class _Seq:
