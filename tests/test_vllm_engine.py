@@ -270,3 +270,11 @@ def test_two_trainer_steps_on_vllm_rollouts(tmp_path, smollm2_tokenizer):
     for row in rows:
         assert row["mismatch/tokens"] > 0 and row["mismatch/max_abs_logprob_diff"] < 1e-4
         assert np.isfinite(row["actor/loss"]) and row["actor/grad_norm"] > 0
+
+
+def test_a_missing_vllm_environment_names_make_vllm_env(monkeypatch, tmp_path):
+    from nearpolicy.engines.base import EngineError
+
+    monkeypatch.setenv("NEARPOLICY_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    with pytest.raises(EngineError, match=r"needs the vLLM environment \.venv-vllm .*run `make vllm-env`"):
+        vllm_python()
