@@ -278,3 +278,19 @@ def test_a_missing_vllm_environment_names_make_vllm_env(monkeypatch, tmp_path):
     monkeypatch.setenv("NEARPOLICY_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     with pytest.raises(EngineError, match=r"needs the vLLM environment \.venv-vllm .*run `make vllm-env`"):
         vllm_python()
+
+
+@pytest.mark.slow
+def test_diagnose_measures_a_vllm_candidate_at_the_noise_floor(tmp_path, smollm2_tokenizer):
+    """diagnosis/measure.py with the candidate vllm:fp32: the trainer's and vLLM's log-probs of the sampled tokens
+    agree, so k3 is at float32 noise (under 1e-8 nats/token) and every ratio is within 1e-4 of 1."""
+    from nearpolicy.diagnosis.candidates import parse_candidate
+    from nearpolicy.diagnosis.measure import DiagnoseContext, measure_candidate
+
+    model = _tiny_model().requires_grad_(False)
+    ctx = DiagnoseContext(model, smollm2_tokenizer, None, [PROMPT, PROMPT[:4]], 4, T1, tmp_path, threads=1,
+                          max_context=256, micro_batch_size=4, max_parallel=8, vllm_kv_cache_gib=0.25)
+    result = measure_candidate(ctx, parse_candidate("vllm:fp32"))
+    m = result.metrics
+    assert result.candidate == "vllm:fp32" and m["sequences"] == 8 and m["tokens"] > 8
+    assert abs(m["k3"]) < 1e-8 and m["abs_logprob_diff_max"] < 1e-4 and m["ess"] > 0.99999
