@@ -38,8 +38,8 @@ def _tiny_model(seed: int = 0):
 
 def _start(model, folder, **kwargs) -> VLLMProcessEngine:
     return VLLMProcessEngine(model.config, model.state_dict(), folder, stop_ids=STOP_IDS, max_context=512,
-                             max_parallel_sequences=16, threads=1, log_path=folder.parent / "vllm.log",
-                             probe_prompt=PROMPT, **kwargs)
+                             max_parallel_sequences=16, threads=1, kv_cache_gib=0.25,
+                             log_path=folder.parent / "vllm.log", probe_prompt=PROMPT, **kwargs)
 
 
 @pytest.fixture(scope="module")
