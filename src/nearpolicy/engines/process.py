@@ -137,7 +137,7 @@ class ProcessEngine:
         return token in self._stop_ids
 
     def stop_token_ids(self) -> frozenset[int]:
-        """Every id llama.cpp treats as end of generation (llama_vocab_is_eog)."""
+        """Every id the engine ends a response on (llama.cpp: llama_vocab_is_eog; vLLM: the stop ids it was given)."""
         return self._stop_ids
 
     def update_weights(self, source, version: int) -> None:
