@@ -90,10 +90,27 @@ def main() -> None:
             "repeats": args.repeats, "machine": platform.machine(), "processor": _cpu_name(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": meta, "results": results}, indent=2) + "\n")
-    print("| engine | tokens/s (median) | runs | start s |\n|---|---|---|---|")
+    table = markdown(meta, results)
+    args.out.with_suffix(".md").write_text(table)  # docs/benchmarks.md includes it (bench/run_all.py)
+    print(table)
+
+
+def markdown(meta: dict, results: dict) -> str:
+    """The section docs/benchmarks.md shows: settings, command, CPU, one row per engine."""
+    lines = ["## vLLM rollouts beside llama.cpp and transformers (bench/vllm_rollouts.py)", "",
+             f"{meta['prompts']} prompts x G = {meta['group']} in one batch, up to {meta['new_tokens']} new tokens, "
+             f"temperature 1, {meta['threads']} thread(s), per-token log-probs from every engine; median of "
+             f"{meta['repeats']} runs after a warm-up; CPU: {meta['processor']}; torch {meta['torch']}. Measured "
+             "separately from `make bench` (it needs .venv-vllm), all rows in one run; the machine was shared.", "",
+             "```bash", f".venv/bin/python bench/vllm_rollouts.py --threads {meta['threads']} --repeats "
+             f"{meta['repeats']}", "```", "",
+             "| engine | tokens/s (median) | runs | tokens per run | engine start s |", "|---|---|---|---|---|"]
     for name, r in results.items():
         runs = ", ".join(f"{x:.1f}" for x in r["tokens_per_s_all"])
-        print(f"| {name} | {statistics.median(r['tokens_per_s_all']):.1f} | {runs} | {r['start_s']:.1f} |")
+        tokens = ", ".join(str(t) for t in r["tokens"])
+        lines.append(f"| {name} | {statistics.median(r['tokens_per_s_all']):.1f} | {runs} | {tokens} | "
+                     f"{r['start_s']:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 def _cpu_name() -> str:
