@@ -1,7 +1,9 @@
 # `make train` runs the main job on the embedded defaults; `make test` runs the test suite (`make test-fast`: the
 # inner loop, without the slow tests);
 # `make bench` writes docs/benchmarks.md (bench/run_all.py; TRL in .venv-bench);
-# `make report` writes RUN's HTML report (default: the main job's run folder) to RUN/report.html.
+# `make report` writes RUN's HTML report (default: the main job's run folder) to RUN/report.html;
+# `make vllm-env` builds .venv-vllm, the vLLM engine's own environment (make test, and make train / diagnose whose ARGS
+# mention vllm, build it first; docs/vllm.md).
 # All create the virtual environment first (once; re-run only when pyproject.toml changes).
 PYTHON ?= python3.11
 VENV := .venv
