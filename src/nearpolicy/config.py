@@ -27,6 +27,7 @@ from nearpolicy.ops.kl import KL_ESTIMATORS
 from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
 from nearpolicy.ops.masked import AGGREGATIONS
 from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS
+from nearpolicy.ops.schedule import LR_SCHEDULES
 from nearpolicy.ops.self_normalize import SELF_NORMALIZE
 from nearpolicy.proximal_policy import PROXIMALS
 from nearpolicy.tasks.factory import TASK_KINDS
@@ -101,6 +102,10 @@ class EngineConfig(Section):
     """llamacpp: let llama.cpp move weights into its extra buffer types at load (CPU repacking of q4_0 into
     interleaved blocks; AMX tiles when compiled in). Off: with AMX, the first q8_0 / q4_0 / q4_1 matmul faults on
     some Intel Xeon hosts (ggml-org/llama.cpp#20824); measured effect on speed: docs/results.md sec. 6."""
+    adaptive_threads: StrictBool = True
+    """llamacpp: run each rollout / eval call on at most the cores other processes leave idle (never more than
+    run.threads or rollout.engine_threads): ggml's spin barriers make a 2-thread engine about 5x slower than a
+    1-thread one when another process holds a core (engines/cpu_load.py). Results do not depend on it."""
     tensor_precision: dict[str, Precision] = {}
     """llamacpp: per-tensor overrides of `precision`, selector -> precision, later entries win; selectors:
     embeddings, output, attention, mlp, blk.N, blk.N-M or a GGUF-name glob (e.g. {"blk.0-2" = "f16"}, the kind
@@ -205,7 +210,19 @@ class AlgorithmConfig(Section):
     """Run each group's prompt once per micro-batch, its completions attending to it (exact, policy.py; DualKV);
     off: every sequence runs prompt + completion, padded to the micro-batch's longest."""
     lr: float = Field(2e-5, gt=0, le=1)
-    """AdamW learning rate (constant, no schedule; 0 < lr <= 1)."""
+    """AdamW peak learning rate (0 < lr <= 1); algorithm.lr_schedule shapes it over the run."""
+    lr_schedule: Literal[LR_SCHEDULES] = "constant"
+    """Learning rate over run.steps after the warmup: constant, linear or cosine decay to lr x min_lr_ratio at the
+    last step (ops/schedule.py; the rate of each step is logged as actor/lr)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Training steps of linear warmup from lr / warmup_steps to lr (0 = none)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The last step's learning rate as a fraction of lr, for the linear and cosine schedules."""
+    epochs: int = Field(1, ge=1)
+    """PPO epochs: passes over each rollout batch (epochs x minibatches optimizer steps per training step)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: the loss subtracts this x the token entropy of the sampling distribution (PPO's c2;
+    aggregated like the policy loss; 0 = none). Against over-sharpening (entropy collapse)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay (>= 0)."""
     adam_betas: tuple[float, float] = (0.9, 0.99)

@@ -166,7 +166,8 @@ def engine_spec(cfg: Config, gguf_path: Path, version: int = 0, threads: int | N
 
     e = cfg.engine
     return EngineSpec(str(gguf_path), version, cfg.model.max_context, e.max_parallel_sequences,
-                      cfg.run.threads if threads is None else threads, e.kv_cache, e.flash_attention, e.extra_buffers)
+                      cfg.run.threads if threads is None else threads, e.kv_cache, e.flash_attention, e.extra_buffers,
+                      e.adaptive_threads)
 
 
 def gguf_writer(cfg: Config, session: Session) -> Callable[[Path], Path]:

@@ -36,6 +36,7 @@ from nearpolicy.tasks.identity import data_identity
 from nearpolicy.tasks.scoring import BoundedScorer
 from nearpolicy.trackers import open_trackers
 from nearpolicy.types import Rollout
+from nearpolicy.ops.schedule import learning_rate
 from nearpolicy.update import UpdateResult, UpdateSettings, policy_update
 
 
@@ -50,10 +51,20 @@ class TrainState:
 
 def _update_settings(cfg: Config) -> UpdateSettings:
     a, c = cfg.algorithm, cfg.correction
-    params = PolicyLossParams(a.clip_low, a.clip_high, a.dual_clip, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+    params = PolicyLossParams(a.clip_low, a.clip_high, a.dual_clip, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                              entropy_coef=a.entropy_coef)
     constant = a.aggregation_constant or float(cfg.sampling.max_new_tokens)
     return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.loss, params, a.aggregation, constant,
-                          c.spec(), c.center, c.adaptive_mix, c.proximal)
+                          c.spec(), c.center, c.adaptive_mix, c.proximal, a.epochs)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
+    """Set every parameter group to training step `step`'s learning rate (algorithm.lr_schedule) and return it."""
+    a = cfg.algorithm
+    lr = learning_rate(step, cfg.run.steps, a.lr, a.lr_schedule, a.warmup_steps, a.min_lr_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def open_trainer(cfg: Config, *, resume: bool = False, log=print,
@@ -145,9 +156,11 @@ class Trainer:
                 "reward/timeouts": float(sum(result.status == "timeout" for result in results))}
 
     def update(self, batch, advantages: torch.Tensor, keep: torch.Tensor | None, timer: _Timer) -> UpdateResult:
-        """Recompute old_logprobs (unless fused into the update), then `minibatches` optimizer steps."""
+        """Recompute old_logprobs (unless fused into the update), then epochs x minibatches optimizer steps at this
+        step's learning rate (ops/schedule.py)."""
         micro, old, entropy = self.cfg.algorithm.micro_batch_size, None, None
-        if self.cfg.algorithm.minibatches > 1 or self.settings.needs_batch_statistics:  # else fused into the update
+        lr = set_learning_rate(self.s.optimizer, self.cfg, self.state.step)
+        if not self.settings.fusable:  # else fused into the update
             with timer("recompute"):
                 old, entropy = recompute_logprobs(self.s.model, batch, self.sampling, micro)
         with timer("update"):
@@ -158,6 +171,7 @@ class Trainer:
                                    on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
         if update.entropy is None:
             update.entropy = entropy
+        update.metrics["actor/lr"] = lr
         return update
 
     def publish(self) -> None:

@@ -35,6 +35,16 @@ class UpdateSettings:
     center: str = "none"  # DLC discrepancy centring: none, log_mean, weight_mean
     adaptive_mix: str = "none"  # none or ais
     proximal: str = "old"  # old, ewma (ewma_logprobs given to policy_update) or a3po (ops/proximal.py)
+    epochs: int = 1  # passes over the batch (PPO epochs); each pass runs the mini-batches in the same order
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.epochs * self.minibatches
+
+    @property
+    def fusable(self) -> bool:
+        """True when old_logprobs can be taken from the first forward of the update (weights not yet moved)."""
+        return self.optimizer_steps == 1 and not self.needs_batch_statistics
 
     @property
     def needs_batch_statistics(self) -> bool:
@@ -84,35 +94,33 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                   settings: UpdateSettings, sample_keep: torch.Tensor | None = None,
                   ref_model: torch.nn.Module | None = None, ewma_logprobs: torch.Tensor | None = None,
                   version: int = 0, on_step: Callable[[], None] | None = None) -> UpdateResult:
-    """Run `minibatches` optimizer steps over the batch. advantages [B]; sample_keep [B] bool (False = left out
+    """Run `epochs` x `minibatches` optimizer steps over the batch. advantages [B]; sample_keep [B] bool (False = left out
     of the gradient, e.g. MC-GRPO's pivot); ref_model gives ref_logprobs for the KL penalty.
     The loss's proximal log-probs: ops/proximal.proximal_logprobs for settings.proximal and the correction's mode
     (ewma_logprobs [B, T]: the EWMA policy's, for "ewma"; "a3po" interpolates per token from batch.versions and
     the trainer's `version`); on_step is called after every optimizer step (the EWMA update).
 
-    `old_logprobs=None` fuses the recompute into the update (only with one mini-batch and no batch statistics:
+    `old_logprobs=None` fuses the recompute into the update (only with one optimizer step and no batch statistics:
     the weights have not moved before each micro-batch's forward, so old_logprobs = logprobs.detach() exactly,
     invariant 8). Returns an UpdateResult; its logprobs - old_logprobs is the policy lag accumulated by earlier
     mini-batches of this update. A mini-batch whose gradient is not finite is skipped (optimizer not stepped) and counted."""
     n = len(batch)
-    size = n // settings.minibatches
-    fused = old_logprobs is None
-    if fused and (settings.minibatches != 1 or settings.needs_batch_statistics):
-        raise ValueError("old_logprobs can only be fused into the update with a single mini-batch and no batch statistics")
-    entropy = None
+    size, fused, entropy, normalizer = n // settings.minibatches, old_logprobs is None, None, None
+    if fused and not settings.fusable:
+        raise ValueError("old_logprobs can only be fused into the update with a single mini-batch, one epoch and no "
+                         "batch statistics")
     current = torch.zeros(batch.mask.shape)
     if fused:
         old_logprobs, entropy = torch.zeros(batch.mask.shape), torch.zeros(batch.mask.shape)
         center, spec, totals = torch.zeros(()), settings.correction, {}
     loss_mask = batch.mask & (sample_keep[:, None] if sample_keep is not None else True)
-    normalizer = None
     if not fused:  # batch statistics against the decoupled proximal at the start of the update
         first = proximal_logprobs(settings.proximal, "decoupled", old_logprobs, old_logprobs, batch.rollout_logprobs,
                                   batch.has_rollout, batch.versions, version, ewma_logprobs)
         center, spec, totals, normalizer = batch_correction(batch, first, settings, loss_mask)
     rollout = batch.rollout_logprobs + center
-    skipped = 0
-    for start in range(0, n, size):
+    skipped, entropy_grad = 0, settings.loss_params.entropy_coef > 0
+    for start in [first for _ in range(settings.epochs) for first in range(0, n, size)]:
         rows = slice(start, start + size)
         mini_mask = loss_mask[rows]
         tokens = mini_mask.sum().clamp_min(1)
@@ -122,10 +130,10 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         for m0 in range(start, start + size, settings.micro_batch_size):
             part = slice(m0, min(m0 + settings.micro_batch_size, start + size))
             micro = batch.select(part)
-            logprobs, micro_entropy = sequence_logprobs(model, micro, sampling)
+            logprobs, micro_entropy = sequence_logprobs(model, micro, sampling, entropy_grad)
             current[part] = logprobs.detach()
             if fused:
-                old_logprobs[part], entropy[part] = logprobs.detach(), micro_entropy
+                old_logprobs[part], entropy[part] = logprobs.detach(), micro_entropy.detach()
             prox = proximal_logprobs(settings.proximal, spec.mode, logprobs, old_logprobs[part], micro.rollout_logprobs,
                                      micro.has_rollout, micro.versions, version,
                                      None if ewma_logprobs is None else ewma_logprobs[part], center)
@@ -137,7 +145,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                     ref = sequence_logprobs(ref_model, micro, sampling)[0]
             loss, metrics = policy_loss(
                 settings.loss,
-                PolicyLossInput(logprobs, prox, advantages[part], loss_mask[part], tokens, result.weights, ref),
+                PolicyLossInput(logprobs, prox, advantages[part], loss_mask[part], tokens, result.weights, ref,
+                                micro_entropy if entropy_grad else None),
                 settings.loss_params, settings.aggregation, denom,
             )
             loss.backward()
@@ -155,7 +164,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
         for key, value in {**sums, "grad_norm": grad_norm}.items():
-            totals[key] = totals.get(key, 0.0) + float(value) / settings.minibatches
+            totals[key] = totals.get(key, 0.0) + float(value) / settings.optimizer_steps
     totals["skipped_minibatches"] = float(skipped)
     metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in totals.items()}
     return UpdateResult(metrics, old_logprobs, current, entropy)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from nearpolicy.engines.base import LLAMA_MAX_SEQ, EngineError
+from nearpolicy.engines.cpu_load import fit_threads, free_cores
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
@@ -68,12 +69,13 @@ class EngineSpec:
     kv_cache: str
     flash_attention: bool
     extra_buffers: bool = False
+    adaptive_threads: bool = True
 
     def open(self) -> "LlamaCppEngine":
         return LlamaCppEngine(Path(self.gguf_path), max_context=self.max_context,
                               max_parallel_sequences=self.max_parallel_sequences, threads=self.threads,
                               version=self.version, kv_cache=self.kv_cache, flash_attention=self.flash_attention,
-                              extra_buffers=self.extra_buffers)
+                              extra_buffers=self.extra_buffers, adaptive_threads=self.adaptive_threads)
 
     def log_to(self, fd: int, first_load: bool) -> None:
         """llama.cpp's own log to `fd`: the first load in full, later reloads (weight syncs) by their warnings."""
@@ -101,11 +103,13 @@ class LlamaCppEngine:
     `kv_cache` is the KV-cache dtype ("f16", llama.cpp's default, or "f32"); `flash_attention` enables
     llama.cpp's flash-attention kernel (faster on long contexts, rounds queries to f16); `extra_buffers` lets
     llama.cpp move weights into its "extra" buffer types (CPU repacking, AMX) at load. Off by default: with AMX
-    compiled in, the AMX buffer's first matmul faults on some Xeon hosts (ggml-org/llama.cpp#20824)."""
+    compiled in, the AMX buffer's first matmul faults on some Xeon hosts (ggml-org/llama.cpp#20824).
+    `adaptive_threads`: each generate / greedy call runs on at most the cores other processes leave idle
+    (engines/cpu_load.py; `threads_used` says how many the last call had)."""
 
     def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
                  threads: int = 2, version: int = 0, unified_kv: bool = True, kv_cache: str = "f16",
-                 flash_attention: bool = False, extra_buffers: bool = False):
+                 flash_attention: bool = False, extra_buffers: bool = False, adaptive_threads: bool = True):
         if not 1 <= max_parallel_sequences <= LLAMA_MAX_SEQ:
             raise ValueError(f"engine.max_parallel_sequences = {max_parallel_sequences} is outside llama.cpp's range "
                              f"[1, {LLAMA_MAX_SEQ}] (LLAMA_MAX_SEQ sequences per context)")
@@ -118,6 +122,7 @@ class LlamaCppEngine:
         self.kv_cache = kv_cache
         self.flash_attention = flash_attention
         self.extra_buffers = extra_buffers
+        self.adaptive_threads = adaptive_threads
         self.version = version
         self.path = Path(gguf_path)
         self._model = self._ctx = self._batch = None
@@ -148,6 +153,7 @@ class LlamaCppEngine:
             lib.llama_model_free(model)
             raise EngineError(f"llama.cpp could not create a context for {path}")
         self._model, self._ctx = model, ctx
+        self.threads_used = self.threads  # a new context starts at the configured count
         self._vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self._vocab)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
@@ -195,6 +201,15 @@ class LlamaCppEngine:
                 rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy())
         return np.concatenate(rows) if rows else np.empty((0, self.n_vocab), np.float32)
 
+    def _fit_threads(self) -> None:
+        """Run the next call on at most the idle cores (engines/cpu_load.py), never above `threads`."""
+        if not self.adaptive_threads:
+            return
+        n = fit_threads(self.threads, free_cores())
+        if n != self.threads_used:
+            _llama().llama_set_n_threads(self._ctx, n, n)
+            self.threads_used = n
+
     def _reset(self) -> None:
         lib = _llama()
         lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
@@ -233,6 +248,7 @@ class LlamaCppEngine:
         `interrupt` is polled before every decode step; once it returns True, every unfinished sequence (and
         every wave not started) comes back as it is, with finish_reason "interrupted"."""
         rng = np.random.default_rng(seed)
+        self._fit_threads()
         out: list[Rollout] = []
         for wave in self._waves(requests):
             seqs = [_Seq(r, k, 0) for r in wave for k in range(r.n)]
@@ -267,6 +283,7 @@ class LlamaCppEngine:
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Argmax completions (stop token included when emitted), for evaluation."""
         requests = [GenerationRequest(i, tuple(p), 1) for i, p in enumerate(prompts)]
+        self._fit_threads()
         results: list[list[int]] = []
         for wave in self._waves(requests):
             seqs = [_Seq(r, 0, slot) for slot, r in enumerate(wave)]

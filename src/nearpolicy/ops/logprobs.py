@@ -54,15 +54,17 @@ def transformed_log_softmax(logits: torch.Tensor, temperature: float, top_k: int
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of `token_ids` and entropy of the sampling distribution.
+    """Log-prob of `token_ids` and entropy of the sampling distribution (over the kept set).
 
-    logits [B, T, V] float32, token_ids [B, T] int64 -> (logprobs [B, T] with grad, entropy [B, T] detached, nats).
+    logits [B, T, V] float32, token_ids [B, T] int64 -> (logprobs [B, T] with grad, entropy [B, T], nats). The
+    entropy is detached unless `entropy_grad` (the entropy bonus, config algorithm.entropy_coef, needs its grad).
     """
     logp = transformed_log_softmax(logits, temperature, top_k, top_p, always_keep=token_ids)
     picked = torch.gather(logp, -1, token_ids.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         probs = logp.exp()
         entropy = -torch.where(probs > 0, probs * logp, torch.zeros_like(logp)).sum(-1)
     return picked, entropy

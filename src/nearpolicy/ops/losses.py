@@ -31,6 +31,7 @@ class PolicyLossInput:
     token_denominator: torch.Tensor | float  # valid tokens in the whole accumulation group (>= 1)
     weights: torch.Tensor | None = None  # [B, T] detached mismatch weight, None = 1
     ref_logprobs: torch.Tensor | None = None  # [B, T] detached reference log-probs for the KL penalty, None = no KL
+    entropy: torch.Tensor | None = None  # [B, T] with grad: entropy of the sampling distribution (entropy bonus)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class PolicyLossParams:
     """Plain scalars of the policy losses. clip_low / clip_high: ratio clip [1 - clip_low, 1 + clip_high]
     (DAPO clip-higher when they differ); dual_clip: c > 1 or None (PPO only); gspo_log_ratio_max: upper clamp
     of GSPO's token log-ratio (verl: 10); kl_coef, kl_estimator: KL-to-reference penalty (a name of
-    ops/kl.KL_ESTIMATORS; default k3_is, whose expected gradient is grad KL(pi || pi_ref) on- and off-policy)."""
+    ops/kl.KL_ESTIMATORS; default k3_is, whose expected gradient is grad KL(pi || pi_ref) on- and off-policy);
+    entropy_coef: weight of the entropy bonus (the loss subtracts entropy_coef x the token entropy, PPO
+    arXiv:1707.06347 eq. 9's c2 S term, aggregated like the policy loss; needs PolicyLossInput.entropy)."""
 
     clip_low: float = 0.2  # these defaults are config algorithm.*'s (one source)
     clip_high: float = 0.28
@@ -46,12 +49,15 @@ class PolicyLossParams:
     gspo_log_ratio_max: float = 10.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3_is"
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
         if self.kl_estimator not in KL_ESTIMATORS.names():
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS.names())}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
 
@@ -207,7 +213,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Registered loss `name`, plus kl_coef * KL(pi_theta || pi_ref) when inp.ref_logprobs is given and
     kl_coef > 0 (estimator params.kl_estimator of ops/kl.py, its importance ratio taken against
-    inp.proximal_logprobs; not multiplied by the mismatch weights), aggregated by `mode` over the global `denominator`
+    inp.proximal_logprobs; not multiplied by the mismatch weights), minus entropy_coef * inp.entropy when
+    entropy_coef > 0 (ValueError when inp.entropy is None then), aggregated by `mode` over the global `denominator`
     (default inp.token_denominator, allowed for token-mean only; pass `masked.aggregation_denominator` of the
     whole accumulation group for the other modes). Returns (loss scalar with grad, detached metrics normalised by
     inp.token_denominator, so that summing them over micro-batches gives the accumulation-group mean).
@@ -226,6 +233,10 @@ def policy_loss(
     if inp.ref_logprobs is not None and params.kl_coef > 0:
         kl = kl_penalty_tokens(inp.logprobs, inp.ref_logprobs, mask, params.kl_estimator, inp.proximal_logprobs)
         loss_tok = loss_tok + params.kl_coef * kl
+    if params.entropy_coef > 0:
+        if inp.entropy is None:
+            raise ValueError("entropy_coef > 0 needs the token entropy with grad (PolicyLossInput.entropy)")
+        loss_tok = loss_tok - params.entropy_coef * torch.where(mask, inp.entropy, torch.zeros_like(inp.entropy))
     loss = aggregate(loss_tok, mask, mode, inp.token_denominator if denominator is None else denominator)
     tok = torch.as_tensor(inp.token_denominator, dtype=loss_tok.dtype).clamp_min(1)
     with torch.no_grad():
@@ -236,4 +247,6 @@ def policy_loss(
         }
         if kl is not None:
             metrics["kl_ref"] = masked_sum(kl.detach(), mask) / tok
+        if params.entropy_coef > 0:
+            metrics["entropy_bonus"] = params.entropy_coef * masked_sum(inp.entropy.detach(), mask) / tok
     return loss, metrics
