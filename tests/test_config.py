@@ -168,7 +168,7 @@ def test_every_key_has_a_doc_and_nearpolicy_config_prints_each_with_default_and_
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     keys = [f"{section}.{key}" for section, s in Config.model_fields.items() for key in s.annotation.model_fields]
-    assert len(keys) == 93
+    assert len(keys) == 95
     for key in keys:
         assert f"  {key} = " in out, key
     lines = out.splitlines()
@@ -189,6 +189,7 @@ def test_choice_lists_and_defaults_have_one_source():
     from nearpolicy.engines.gguf_export import PRECISIONS, QTYPES
     from nearpolicy.engines.hf import DTYPES
     from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
+    from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES
     from nearpolicy.ops.advantages import ADVANTAGES
     from nearpolicy.ops.correction_presets import CORRECTIONS
     from nearpolicy.ops.corrections import ACTIONS, LEVELS, MODES
@@ -206,7 +207,8 @@ def test_choice_lists_and_defaults_have_one_source():
 
     expected = {("engine", "kind"): ENGINE_KINDS, ("engine", "precision"): PRECISIONS,
                 ("engine", "tensor_precision"): PRECISIONS, ("engine", "hf_dtype"): DTYPES,
-                ("engine", "kv_cache"): KV_CACHE_TYPES, ("task", "kind"): TASK_KINDS,
+                ("engine", "kv_cache"): KV_CACHE_TYPES, ("engine", "vllm_dtype"): VLLM_DTYPES,
+                ("task", "kind"): TASK_KINDS,
                 ("algorithm", "advantage"): ADVANTAGES.names(), ("algorithm", "loss"): POLICY_LOSSES.names(),
                 ("algorithm", "aggregation"): AGGREGATIONS, ("algorithm", "kl_estimator"): KL_ESTIMATORS.names(),
                 ("correction", "preset"): ["none", *CORRECTIONS.names()], ("correction", "level"): LEVELS,

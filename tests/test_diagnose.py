@@ -174,7 +174,10 @@ def test_candidate_strings_round_trip_and_errors():
     assert c.tensor_precision == (("blk.0-2", "f16"),) and c.kv_cache == "f32" and c.weights_only
     assert parse_candidate(c.spec()) == c and c.sampling == {"temperature": 0.7}
     assert c.weights_description() == "q4_1 (blk.0-2=f16) rounded, f32 kernels"
-    for bad, words in [("vllm:f16", "llamacpp:<precision>"), ("llamacpp:q2_k", "unknown llamacpp precision"),
+    v = parse_candidate("vllm:bf16,top_k=20")
+    assert (v.engine, v.precision, v.sampling, parse_candidate(v.spec())) == ("vllm", "bf16", {"top_k": 20}, v)
+    for bad, words in [("sglang:fp32", "llamacpp:<precision>"), ("vllm:f16", "unknown vllm precision 'f16'; valid: fp32, bf16"),
+                       ("vllm:fp32,kv_cache=f32", "cannot use option"), ("llamacpp:q2_k", "unknown llamacpp precision"),
                        ("llamacpp:q4_1,blk.x=f16", "selector"), ("hf:bf16,blk.0=f16", "cannot use option"), ("hf:bf16,kv_cache=f32", "cannot use option"),
                        ("hf:fp32,flash_attention=true", "cannot use option"),
                        ("llamacpp:f16,top_p=2", "top_p"), ("llamacpp:f16,top_k=two", "top_k must be a int")]:

@@ -91,3 +91,30 @@ def test_the_trainer_class_is_under_200_lines_and_no_function_over_80():
 
 def test_every_source_file_is_under_400_lines():
     assert not [p.name for p in PACKAGE.rglob("*.py") if len(p.read_text().splitlines()) >= 400]
+
+
+def test_the_vllm_child_imports_only_what_the_vllm_environment_has():
+    """engines/vllm_child.py runs under .venv-vllm/bin/python, where nearpolicy's own dependencies (pydantic,
+    transformers 5.24, the loop) are not installed: every nearpolicy module it reaches, transitively, is an
+    engine-side one, and no module it reaches imports a third-party package at module level other than numpy."""
+    graph = _graph()
+    reached, todo = set(), ["nearpolicy.engines.vllm_child"]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo += [d for d in graph[m] if d != "nearpolicy"]
+    allowed = {"nearpolicy.engines.vllm_child", "nearpolicy.engines.process", "nearpolicy.engines.llamacpp",
+               "nearpolicy.engines.base", "nearpolicy.engines.sampling", "nearpolicy.engines.cpu_load",
+               "nearpolicy.types", "nearpolicy.signals",
+               "nearpolicy.engines"}
+    assert reached <= allowed, sorted(reached - allowed)
+    for m in reached:
+        path = PACKAGE.parent / (m.replace(".", "/") + ".py")
+        tree = ast.parse(path.read_text())
+        top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+        import sys
+
+        third_party = {t for t in top if t not in sys.stdlib_module_names and t not in ("nearpolicy", "__future__")}
+        assert third_party <= {"numpy"}, (m, third_party)

@@ -19,6 +19,7 @@ from nearpolicy.engines.base import ENGINE_KINDS
 from nearpolicy.engines.gguf_export import PRECISIONS
 from nearpolicy.engines.hf import DTYPES as HF_DTYPES
 from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
+from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES
 from nearpolicy.ops.advantages import ADVANTAGES
 from nearpolicy.ops.correction_presets import CORRECTIONS, PRESET_FIELDS, correction_spec
 from nearpolicy.ops.corrections import ACTIONS, LEVELS, MODES
@@ -78,11 +79,18 @@ class EngineConfig(Section):
 
     kind: Literal[ENGINE_KINDS] = "llamacpp"
     """llamacpp: llama.cpp on GGUF weights exported from the trainer at `precision` before each sync; hf: the
-    transformers engine in this process (weights at `hf_dtype`)."""
+    transformers engine in this process (weights at `hf_dtype`); vllm: vLLM in its own environment and process
+    (`make vllm-env`; weights at `vllm_dtype`, reloaded in place after each update; docs/vllm.md)."""
     precision: Precision = "q8_0"
     """llamacpp: GGUF weight type the trainer's weights are exported at before each sync."""
     hf_dtype: Literal[tuple(HF_DTYPES)] = "fp32"
     """hf engine: dtype of the weights and KV cache."""
+    vllm_dtype: Literal[tuple(VLLM_DTYPES)] = "fp32"
+    """vllm: dtype of the weights, activations and KV cache (bf16 on CPU: faster, about 0.035 nats off, and not
+    deterministic; docs/vllm.md)."""
+    vllm_kv_cache_gib: float = Field(1.0, gt=0, le=1024)
+    """vllm: KV cache vLLM reserves, GiB (it starts only with an explicit size; prefix caching shares a group's
+    prompt blocks)."""
     max_parallel_sequences: int = Field(64, ge=1)
     """Sequences decoded together in one multi-sequence batch; llamacpp: at most 256 (llama.cpp's LLAMA_MAX_SEQ,
     the most sequences one context holds)."""

@@ -155,7 +155,9 @@ def dry_plan(cfg: Config) -> dict:
 def _engine_precision(e: EngineConfig) -> str:
     from nearpolicy.engines.precision_map import describe
 
-    return describe(e.precision, tuple(e.tensor_precision.items())) if e.kind == "llamacpp" else e.hf_dtype
+    if e.kind == "llamacpp":
+        return describe(e.precision, tuple(e.tensor_precision.items()))
+    return e.vllm_dtype if e.kind == "vllm" else e.hf_dtype
 
 
 def engine_spec(cfg: Config, gguf_path: Path, version: int = 0, threads: int | None = None):
@@ -179,7 +181,8 @@ def gguf_writer(cfg: Config, session: Session) -> Callable[[Path], Path]:
 
 
 def engine_weights(cfg: Config, session: Session) -> Callable[[], object]:
-    """What the in-process engine loads on a weight sync: a freshly written GGUF (llamacpp) or the state dict (hf)."""
+    """What the in-process engine loads on a weight sync: a freshly written GGUF (llamacpp) or the state dict (hf;
+    vllm, whose engine writes it as an HF folder and reloads it in place)."""
     if cfg.engine.kind == "llamacpp":
         write = gguf_writer(cfg, session)
         return lambda: write(session.engine_dir)
@@ -187,10 +190,12 @@ def engine_weights(cfg: Config, session: Session) -> Callable[[], object]:
 
 
 def build_engine(cfg: Config, session: Session, log=print):
-    """The in-process engine on the trainer's current weights. llamacpp runs in its own process (a native crash
-    stops that process, not the trainer) and is probed on the exported GGUF before it is handed back; hf runs in
-    this process."""
+    """The in-process engine on the trainer's current weights. llamacpp and vllm run in their own process (a native
+    crash stops that process, not the trainer) and are probed before they are handed back; hf runs in this process.
+    Raises EngineError for vllm when .venv-vllm is missing (naming `make vllm-env`)."""
     e = cfg.engine
+    if e.kind == "vllm":
+        return _vllm_engine(cfg, session, log)
     if e.kind == "llamacpp":
         from nearpolicy.engines.process import ProcessEngine
 
@@ -203,6 +208,20 @@ def build_engine(cfg: Config, session: Session, log=print):
 
     return HFEngine(session.model, session.stop_ids, dtype=e.hf_dtype, max_parallel_sequences=e.max_parallel_sequences,
                     logit_noise=e.logit_noise)
+
+
+def _vllm_engine(cfg: Config, session: Session, log):
+    from nearpolicy.engines.vllm_engine import VLLMProcessEngine, vllm_python
+
+    e = cfg.engine
+    vllm_python()  # fails now, naming `make vllm-env`, when the environment is missing
+    log(f"starting the vLLM engine process ({e.vllm_dtype}, {e.vllm_kv_cache_gib:g} GiB KV cache)...")
+    return VLLMProcessEngine(session.model.config, session.model.state_dict(), session.engine_dir / "vllm-weights",
+                             stop_ids=session.stop_ids, max_context=cfg.model.max_context,
+                             max_parallel_sequences=e.max_parallel_sequences, threads=cfg.run.threads,
+                             dtype=e.vllm_dtype, kv_cache_gib=e.vllm_kv_cache_gib, seed=cfg.run.seed,
+                             log_path=session.engine_dir / "vllm.log",
+                             probe_prompt=session.prompt_ids(session.task.train_problem(0)))
 
 
 def policy_engine(session: Session):

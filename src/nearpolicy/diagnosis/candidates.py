@@ -2,7 +2,8 @@
 
     ENGINE:PRECISION[,option=value ...]
 
-ENGINE:PRECISION is `llamacpp:<gguf type>` (f32 f16 bf16 q8_0 q5_0 q4_0 q4_1 mxfp4) or `hf:<dtype>` (fp32, bf16).
+ENGINE:PRECISION is `llamacpp:<gguf type>` (f32 f16 bf16 q8_0 q5_0 q4_0 q4_1 mxfp4), `hf:<dtype>` (fp32, bf16) or
+`vllm:<dtype>` (fp32, bf16; vLLM in its own environment, `make vllm-env`).
 Options: `kv_cache=f16|f32` and `flash_attention=true|false` (llamacpp), `temperature=`, `top_p=`, `top_k=`
 (sampling, replacing the config's), `weights_only=true` (llamacpp: every weight is rounded exactly as this
 candidate would store it, then run with f32 kernels: the weight-quantization error without the activation
@@ -18,17 +19,19 @@ from nearpolicy.engines.gguf_export import PRECISIONS
 from nearpolicy.engines.hf import DTYPES
 from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
 from nearpolicy.engines.precision_map import describe, validate_selector
+from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES
 from nearpolicy.types import SamplingParams
 
 _SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int}
+ENGINES = {"llamacpp": PRECISIONS, "hf": tuple(DTYPES), "vllm": tuple(VLLM_DTYPES)}  # engine -> its precisions
 
 
 @dataclass(frozen=True)
 class RolloutCandidate:
     """One engine x precision x sampling configuration."""
 
-    engine: str  # "llamacpp" or "hf"
-    precision: str  # GGUF type (llamacpp) or torch dtype name (hf)
+    engine: str  # "llamacpp", "hf" or "vllm"
+    precision: str  # GGUF type (llamacpp) or dtype name (hf, vllm)
     kv_cache: str = "f16"
     flash_attention: bool = False
     weights_only: bool = False
@@ -68,9 +71,9 @@ def parse_candidate(text: str) -> RolloutCandidate:
     """Parse one candidate string (grammar in the module docstring). Raises ValueError naming the bad part."""
     head, *options = [part.strip() for part in text.split(",")]
     engine, sep, precision = head.partition(":")
-    if not sep or engine not in ("llamacpp", "hf"):
-        raise ValueError(f"candidate {text!r}: expected llamacpp:<precision> or hf:<dtype>")
-    valid = PRECISIONS if engine == "llamacpp" else tuple(DTYPES)
+    if not sep or engine not in ENGINES:
+        raise ValueError(f"candidate {text!r}: expected llamacpp:<precision>, hf:<dtype> or vllm:<dtype>")
+    valid = ENGINES[engine]
     if precision not in valid:
         raise ValueError(f"candidate {text!r}: unknown {engine} precision {precision!r}; valid: {', '.join(valid)}")
     fields: dict = {"engine": engine, "precision": precision}

@@ -37,6 +37,7 @@ class DiagnoseContext:
     micro_batch_size: int = 8
     position_bucket: int = 8
     max_parallel: int = 64  # engine.max_parallel_sequences
+    vllm_kv_cache_gib: float = 1.0  # engine.vllm_kv_cache_gib
 
 
 @dataclass
@@ -68,7 +69,8 @@ def engine_state_dict(ctx: DiagnoseContext, candidate: RolloutCandidate) -> dict
 
 
 def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
-    """Start the candidate's engine on the trainer's weights (a GGUF written to ctx.workdir for llama.cpp)."""
+    """Start the candidate's engine on the trainer's weights (a GGUF written to ctx.workdir for llama.cpp, an HF
+    folder for vLLM, whose engine process starts in its own environment)."""
     state = engine_state_dict(ctx, candidate)
     if candidate.engine == "llamacpp":
         from nearpolicy.engines.gguf_export import export_gguf
@@ -81,10 +83,17 @@ def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
                     tensor_precision=overrides)
         return LlamaCppEngine(path, max_context=ctx.max_context, threads=ctx.threads, kv_cache=candidate.kv_cache,
                               flash_attention=candidate.flash_attention, max_parallel_sequences=ctx.max_parallel)
+    stop_ids = stop_token_ids(ctx.model, ctx.tokenizer, ctx.template_gguf, ctx.workdir)
+    if candidate.engine == "vllm":
+        from nearpolicy.engines.vllm_engine import VLLMProcessEngine
+
+        return VLLMProcessEngine(ctx.model.config, state, ctx.workdir / "vllm-weights", stop_ids=stop_ids,
+                                 max_context=ctx.max_context, max_parallel_sequences=ctx.max_parallel,
+                                 threads=ctx.threads, dtype=candidate.precision, kv_cache_gib=ctx.vllm_kv_cache_gib,
+                                 seed=ctx.seed, log_path=ctx.workdir / "vllm.log", probe_prompt=ctx.prompts[0])
     from nearpolicy.engines.hf import HFEngine
 
-    return HFEngine(ctx.model, stop_token_ids(ctx.model, ctx.tokenizer, ctx.template_gguf, ctx.workdir), dtype=candidate.precision,
-                    max_parallel_sequences=ctx.max_parallel)
+    return HFEngine(ctx.model, stop_ids, dtype=candidate.precision, max_parallel_sequences=ctx.max_parallel)
 
 
 def sample_batch(ctx: DiagnoseContext, engine, sampling: SamplingParams, on_samples=lambda n: None):

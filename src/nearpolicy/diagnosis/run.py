@@ -125,7 +125,8 @@ def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
     return DiagnoseContext(model, tokenizer, resolved.path if resolved.kind == "gguf" else None, prompts,
                            settings.group_size, sampling, workdir, cfg.run.seed, cfg.run.threads,
                            cfg.model.max_context, cfg.algorithm.micro_batch_size,
-                           max_parallel=cfg.engine.max_parallel_sequences)
+                           max_parallel=cfg.engine.max_parallel_sequences,
+                           vllm_kv_cache_gib=cfg.engine.vllm_kv_cache_gib)
 
 
 def _scan(ctx: DiagnoseContext, precision: str, reference: RolloutCandidate, settings: DiagnoseSettings) -> dict:

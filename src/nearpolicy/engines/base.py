@@ -14,8 +14,9 @@ from typing import Protocol, runtime_checkable
 
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
-ENGINE_KINDS = ("llamacpp", "hf")
-"""config engine.kind: llamacpp (engines/llamacpp.py, GGUF weights) or hf (engines/hf.py, transformers)."""
+ENGINE_KINDS = ("llamacpp", "hf", "vllm")
+"""config engine.kind: llamacpp (engines/llamacpp.py, GGUF weights), hf (engines/hf.py, transformers) or vllm
+(engines/vllm_engine.py, vLLM in its own environment and process)."""
 
 LLAMA_MAX_SEQ = 256
 """llama.cpp's compile-time limit on sequences per context (LLAMA_MAX_SEQ in src/llama-cparams.h)."""

@@ -79,6 +79,10 @@ class EngineSpec:
                               extra_buffers=self.extra_buffers, adaptive_threads=self.adaptive_threads,
                               logit_noise=self.logit_noise)
 
+    def log_to(self, fd: int, first_load: bool) -> None:
+        """llama.cpp's own log to `fd`: the first load in full, later reloads (weight syncs) by their warnings."""
+        set_log_file(fd, min_level=2 if first_load else 3)
+
 
 @dataclass
 class _Seq:

@@ -1,0 +1,88 @@
+"""vLLM rollout engine (config engine.kind = "vllm"), trainer side: vLLM in its own environment (.venv-vllm, built by
+`make vllm-env`) and its own process, behind the same pipe boundary as the llama.cpp engine process
+(engines/process.ProcessEngine: startup probe, a crash reported as EngineDied with its signal and log tail, the
+engine's errors forwarded). The engine process is engines/vllm_child.py; this side writes the trainer's weights as an
+HF folder (config.json + model.safetensors, float32) that the engine loads at start and reloads in place at every
+weight sync. docs/vllm.md: use, numerics, what changes on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.process import ProcessEngine
+from nearpolicy.engines.vllm_child import DTYPES, VLLMSpec
+
+VENV = ".venv-vllm"
+PYTHON_ENV = "NEARPOLICY_VLLM_PYTHON"  # overrides the interpreter (default: <checkout>/.venv-vllm/bin/python)
+WEIGHTS = "model.safetensors"
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM environment: $NEARPOLICY_VLLM_PYTHON, else .venv-vllm/bin/python in this checkout
+    (beside src/), else in the working directory. Raises EngineError naming `make vllm-env` when it is missing."""
+    if os.environ.get(PYTHON_ENV):
+        candidates = [Path(os.environ[PYTHON_ENV])]
+    else:
+        checkout = Path(__file__).resolve().parents[3]
+        candidates = [checkout / VENV / "bin" / "python", Path.cwd() / VENV / "bin" / "python"]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK) and (path.parent.parent / ".installed").is_file():
+            return path
+    raise EngineError(f"engine.kind = 'vllm' needs the vLLM environment {VENV} (looked for "
+                      f"{', '.join(str(p) for p in candidates)}, with its .installed stamp): run `make vllm-env` in the "
+                      f"checkout (about 3.7 GB, a few minutes), or set {PYTHON_ENV} to a python with vllm installed")
+
+
+def write_hf_folder(state_dict: dict[str, torch.Tensor], config, folder: Path) -> Path:
+    """Write `state_dict` (the trainer's weights) as an HF folder vLLM loads: config.json from the transformers
+    `config` and model.safetensors in float32 (a tied lm_head.weight left out, as transformers saves it). The
+    weights file is replaced atomically. Returns `folder`."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tensors = {name: value.detach().to(torch.float32).contiguous() for name, value in state_dict.items()
+               if not (tied and name == "lm_head.weight")}
+    settings = config.to_dict()
+    settings["architectures"] = settings.get("architectures") or ["LlamaForCausalLM"]
+    settings["dtype"] = settings["torch_dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(settings, indent=1, default=str))
+    tmp = folder / (WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / WEIGHTS)
+    return folder
+
+
+class VLLMProcessEngine(ProcessEngine):
+    """The vLLM engine on `state_dict` (the trainer's weights, with their transformers `config`), in the vLLM
+    environment's own process; `folder` is where the HF folder of the current weights is written.
+
+    `update_weights(source, version)` takes a state dict (written to `folder` first, about 1 s for 135M parameters)
+    or an HF folder. Raises EngineError when .venv-vllm is missing (vllm_python), EngineDied when the engine process
+    dies, and the engine's own errors (EngineError, ValueError) unchanged."""
+
+    def __init__(self, config, state_dict: dict[str, torch.Tensor], folder: Path, *, stop_ids, max_context: int,
+                 max_parallel_sequences: int, threads: int, dtype: str = "fp32", kv_cache_gib: float = 1.0,
+                 version: int = 0, seed: int = 0, log_path: Path | None = None,
+                 probe_prompt: list[int] | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"vllm dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        python = vllm_python()
+        self.config, self.folder = config, Path(folder)
+        write_hf_folder(state_dict, config, self.folder)
+        spec = VLLMSpec(str(self.folder), version, max_context, max_parallel_sequences, threads, dtype, kv_cache_gib,
+                        tuple(sorted(stop_ids)), str(python), seed)
+        super().__init__(spec, f"vllm:{dtype}", log_path=log_path, probe_prompt=probe_prompt)
+
+    def update_weights(self, source, version: int, *, unsafe_skip: tuple[str, ...] = ()) -> None:
+        """Load new weights (a state dict, or an HF folder holding model.safetensors) and set the policy version.
+        `unsafe_skip` (tests only) leaves out weight-sync fixes (engines/vllm_child.SKIPPABLE)."""
+        folder = write_hf_folder(source, self.config, self.folder) if isinstance(source, dict) else Path(source)
+        self._call("update_weights", str(folder), version, tuple(unsafe_skip))
+        self.version = version
