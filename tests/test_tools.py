@@ -10,8 +10,8 @@ import time
 import pytest
 
 from nearpolicy.tools.calculator import calculate
-from nearpolicy.tools.client import ToolClient
-from nearpolicy.tools.sandbox import run_python
+from nearpolicy.tools.client import Observation, ToolClient
+from nearpolicy.tools.sandbox import namespace_prefix, run_python
 
 
 @pytest.mark.parametrize("expression, value", [("123 * 456", "56088"), ("7/4", "1.75"), ("1/3", "1/3"),
@@ -29,6 +29,19 @@ def test_calculator_refuses_what_is_not_arithmetic(expression, message):
         calculate(expression)
 
 
+def test_sandbox_output_is_capped_before_it_reaches_memory():
+    started = time.monotonic()
+    result = run_python("import sys\nwhile True: sys.stdout.write('x' * 10 ** 6)", timeout_s=5.0)
+    assert result.status == "error" and "truncated at 2000 characters" in result.output
+    assert time.monotonic() - started < 5  # stopped by the output file's size limit, not by the timeout
+
+
+@pytest.mark.skipif(not namespace_prefix(), reason="unshare cannot make namespaces here (not root, no user namespaces)")
+def test_sandbox_has_no_network_and_sees_no_other_process():
+    result = run_python("import os; print(os.getpid())")
+    assert result.output.strip() == "1"  # the first process of its own PID namespace
+
+
 def test_sandbox_runs_code_in_a_temporary_folder_and_truncates_output():
     result = run_python("import os; open('f', 'w').write('x'); print(os.getcwd()); print('a' * 5000)", max_output=300)
     assert result.status == "ok" and "nearpolicy-sandbox-" in result.output
@@ -39,7 +52,11 @@ def test_sandbox_runs_code_in_a_temporary_folder_and_truncates_output():
     ("while True: pass", "timeout", ""),
     ("x = bytearray(10 ** 10)", "memory", "MemoryError"),
     ("import socket", "error", "import of socket is not allowed"),
-    ("import os; os.system('true')", "error", "os.system is not allowed"),
+    ("import os; os.system('true')", "error", "has no attribute 'system'"),
+    ("import gc", "error", "import of gc is not allowed"),
+    ("import os; os.pidfd_open(1)", "error", "has no attribute 'pidfd_open'"),
+    ("open('/tmp/nearpolicy-sandbox-escape', 'w')", "error", "only files in the working folder"),
+    ("import os; os.open('/tmp/nearpolicy-sandbox-escape', os.O_WRONLY | os.O_CREAT)", "error", "working folder"),
     ("import ctypes", "error", "import of ctypes is not allowed"),
     ("1 / 0", "error", "ZeroDivisionError"),
 ])
@@ -87,7 +104,7 @@ def test_mcp_tools_answer_and_bad_calls_are_error_observations():
         assert unknown.error == "tool_error" and "Unknown tool: nope" in unknown.text
         refused = client.call("calculator", {"expression": "x"})
         assert refused.error == "tool_error" and refused.text.startswith("error: only numbers")
-        assert client.call("python", {"code": "import socket"}).text.startswith("error: error")
+        assert client.call("python", {"code": "import socket"}).text.startswith("error: the code raised an exception")
         assert dict(client.errors) == {"tool_error": 3}
     finally:
         client.close()
@@ -107,6 +124,28 @@ def test_a_server_that_dies_or_hangs_mid_episode_gives_an_error_observation_then
         assert hung.error == "timeout" and time.monotonic() - started < 6
         assert client.call("echo", {"text": "three"}).text == "three"
         assert dict(client.errors) == {"server_died": 1, "timeout": 1}
+    finally:
+        client.close()
+    client.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        client.call("echo", {"text": "after"})
+
+
+def test_a_call_queued_behind_a_hung_one_runs_on_the_next_server(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    script = tmp_path / "crashy.py"
+    script.write_text(CRASHY)
+    client = ToolClient((sys.executable, str(script)), call_timeout_s=2)
+    try:
+        assert client.call("echo", {"text": "warm"}).text == "warm"
+        with ThreadPoolExecutor(2) as pool:
+            hung = pool.submit(client.call, "hang", {})
+            time.sleep(0.5)  # the echo queues behind the hung call
+            echoed = pool.submit(client.call, "echo", {"text": "queued"})
+            assert hung.result().error == "timeout"
+            assert echoed.result() == Observation("queued")
+        assert dict(client.errors) == {"timeout": 1}
     finally:
         client.close()
 

@@ -17,8 +17,10 @@ from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_SERVER = (sys.executable, "-m", "nearpolicy.tools.server")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding this nearpolicy package
 _CLOSE = object()  # a session's queue item: leave the MCP context (which ends the server)
 
 
@@ -33,11 +35,14 @@ class Observation:
 
 class ToolClient:
     """Tools of one MCP stdio server `command` (default: nearpolicy's own, tools/server.py). `call_timeout_s`
-    bounds each call (wall clock); `start_timeout_s` the server's start. Thread-safe; close() ends the server."""
+    bounds each call (wall clock); `start_timeout_s` the server's start; `env`: the server's environment variables
+    (the SDK's minimal set plus these). Thread-safe; close() ends the server."""
 
     def __init__(self, command: tuple[str, ...] = DEFAULT_SERVER, *, call_timeout_s: float = 10.0,
-                 start_timeout_s: float = 30.0):
+                 start_timeout_s: float = 30.0, env: dict[str, str] | None = None):
         self.command, self.call_timeout_s, self.start_timeout_s = tuple(command), call_timeout_s, start_timeout_s
+        # the SDK starts a server with a minimal environment; nearpolicy's own server runs this very package
+        self.env = env if env is not None or tuple(command) != DEFAULT_SERVER else {"PYTHONPATH": _PACKAGE_ROOT}
         self.errors: Counter = Counter()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="nearpolicy-mcp")
@@ -45,6 +50,7 @@ class ToolClient:
         self._session: _Session | None = None  # the session new calls go to
         self._sessions: list[_Session] = []  # every session not yet ended, for close()
         self._lock = threading.Lock()
+        self._closed = False
 
     def tool_names(self) -> list[str]:
         """The server's tools (starts it if needed). Raises RuntimeError when it cannot start."""
@@ -54,13 +60,25 @@ class ToolClient:
         return names
 
     def call(self, name: str, arguments: dict) -> Observation:
-        """Call tool `name` with `arguments`; never raises for what the tool or its server does."""
+        """Call tool `name` with `arguments`; never raises for what the tool or its server does (RuntimeError after
+        close()). A call still queued when its server ended for another call's sake runs on the next server."""
+        for _ in range(3):
+            result = self._call_once(name, arguments)
+            if not isinstance(result, _NotStarted):
+                return result
+        return self._failed("server_died", "error: the tool server kept ending before this call could run")
+
+    def _call_once(self, name: str, arguments: dict):
+        if self._closed:
+            raise RuntimeError("this ToolClient is closed")
         try:
             result = self._submit(("call", name, arguments), self.call_timeout_s + self.start_timeout_s)
         except FutureTimeout:  # the server did not even start or answer the session: a new one next time
             self._restart()
             return self._failed("timeout", f"error: the tool server did not answer within "
                                            f"{self.call_timeout_s + self.start_timeout_s:g} s")
+        if isinstance(result, _NotStarted):
+            return result
         if isinstance(result, Observation):
             if result.error:
                 self.errors[result.error] += 1
@@ -71,6 +89,9 @@ class ToolClient:
     def close(self, timeout_s: float = 15.0) -> None:
         """End every server this client started (each session leaves its MCP context, which closes the server's
         stdin, then terminates and kills its process group: the SDK's shutdown), then the event loop."""
+        if self._closed:
+            return
+        self._closed = True
         self._restart()
         deadline = time.monotonic() + timeout_s
         for session in self._sessions:
@@ -99,7 +120,7 @@ class ToolClient:
 
     def _enqueue(self, session: "_Session", request, answer: Future) -> None:
         if session.ending or session.task.done():
-            answer.set_result(_SessionEnded(session.reason))
+            answer.set_result(session.unsent())
         elif session.queue is None:  # the session task has not started yet: keep the order
             self._loop.call_soon(self._enqueue, session, request, answer)
         else:
@@ -121,8 +142,9 @@ class ToolClient:
 
         session.queue, pending = asyncio.Queue(), []
         try:
-            params = StdioServerParameters(command=self.command[0], args=list(self.command[1:]))
+            params = StdioServerParameters(command=self.command[0], args=list(self.command[1:]), env=self.env)
             async with Client(params) as client:
+                session.connected = True
                 while not (session.ending and session.queue.empty()):  # ended before its close request could queue
                     request, answer = await session.queue.get()
                     if request is _CLOSE:
@@ -143,16 +165,16 @@ class ToolClient:
             session.reason = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             session.ending = True
             ended = _SessionEnded(session.reason)
-            for answer in pending + [a for _, a in _drain(session.queue)]:
-                if answer is not None and not answer.done():
+            for answer in pending:
+                if not answer.done():
                     answer.set_result(ended)
             if not isinstance(err, Exception):
                 raise
         finally:
             session.ending = True
-            for _, answer in _drain(session.queue):  # calls queued meanwhile get the failure, not a hang
-                if answer is not None:
-                    answer.set_result(_SessionEnded(session.reason))
+            for _, answer in _drain(session.queue):  # calls queued behind: run them on the next server
+                if answer is not None and not answer.done():
+                    answer.set_result(session.unsent())
 
     async def _answer(self, client, kind: str, name, arguments):
         if kind == "list":
@@ -171,6 +193,10 @@ class _SessionEnded(str):
     """The session ended under a call (the server died or could not start); the text says how."""
 
 
+class _NotStarted(str):
+    """The session ended before this queued call was sent: the caller runs it on the next session."""
+
+
 class _Protocol(str):
     """A live session answered with something that is not a tool result."""
 
@@ -183,6 +209,11 @@ class _Session:
     task: Future | None = None
     ending: bool = False
     reason: str = "the tool session ended"  # why it ended, for calls that arrive after
+    connected: bool = False  # the server started and answered the MCP handshake
+
+    def unsent(self) -> str:
+        """What a call this session never sent gets: run it on the next server, unless this one never started."""
+        return _NotStarted(self.reason) if self.connected else _SessionEnded(self.reason)
 
 
 def result_error(result) -> str | None:

@@ -32,7 +32,11 @@ def python(code: str) -> str:
     result = run_python(code, timeout_s=PYTHON_TIMEOUT_S, memory_mb=PYTHON_MEMORY_MB)
     if result.status == "ok":
         return result.output
-    return f"error: {result.status}\n{result.output}".rstrip()
+    return f"error: {FAILURES.get(result.status, result.status)}\n{result.output}".rstrip()
+
+
+FAILURES = {"error": "the code raised an exception", "timeout": f"the code ran past {PYTHON_TIMEOUT_S:g} s",
+            "memory": f"the code ran out of memory ({PYTHON_MEMORY_MB} MB)", "killed": "the code was killed"}
 
 
 if __name__ == "__main__":
