@@ -15,7 +15,7 @@ PROMPT = (1, 9690, 28, 2, 504, 8)
 
 
 def test_free_cores_is_the_idle_share_of_the_window(monkeypatch):
-    monkeypatch.setattr(cpu_load.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(cpu_load, "_allowed_cpus", lambda: {0, 1, 2, 3})
     reads = iter([(100, 1000), (130, 1100)])  # 30 of 100 jiffies idle: 0.3 x 4 cores
     assert cpu_load.free_cores(0.0, read=lambda: next(reads)) == pytest.approx(1.2, rel=1e-12)
     assert cpu_load.free_cores(0.0, read=lambda: None) is None
@@ -32,6 +32,13 @@ def test_fit_threads_rounds_the_free_cores_within_one_and_the_configured_count(c
 def test_proc_stat_reads_on_this_machine():
     idle, total = cpu_load._cpu_times()
     assert 0 <= idle <= total and total > 0
+
+
+def test_only_the_cpus_this_process_may_use_count(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  30 0 30 140 0 0 0 0\ncpu0 10 0 10 80 0 0 0 0\ncpu1 20 0 20 60 0 0 0 0\nintr 5\n")
+    assert cpu_load._cpu_times(str(stat), cpus={1}) == (60, 100)
+    assert cpu_load._cpu_times(str(stat), cpus={0, 1}) == (140, 200)  # the aggregate line is not counted twice
 
 
 def test_thread_count_changes_no_result_and_is_set_per_call(tiny_gguf_factory, monkeypatch):

@@ -97,3 +97,28 @@ def test_trainer_applies_the_schedule_epochs_and_entropy_bonus(tiny_model_dir, t
     assert [r["actor/lr"] for r in rows] == pytest.approx([1e-3, 1e-3, 1e-4], rel=1e-12)
     for r in rows:  # the bonus is 0.01 x the entropy of the moving policy: same order as the step's entropy
         assert 0.002 * r["entropy"] < r["actor/entropy_bonus"] < 0.05 * r["entropy"]
+
+
+def test_warmup_must_end_before_the_run_does():
+    from nearpolicy.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"algorithm\.warmup_steps \(5\) must be below run\.steps \(5\)"):
+        load_config(None, ["run.steps=5", "algorithm.warmup_steps=5"])
+    assert load_config(None, ["run.steps=5", "algorithm.warmup_steps=4"]).algorithm.warmup_steps == 4
+
+
+def test_a_resume_may_not_stretch_a_decaying_schedule(tmp_path):
+    import json
+
+    from nearpolicy.config import load_config
+    from nearpolicy.resume import check_same_config
+    from nearpolicy.runs import RunExistsError
+
+    saved = tmp_path / "config.json"
+    cosine = ["algorithm.lr_schedule=cosine", "run.steps=10"]
+    saved.write_text(json.dumps(load_config(None, cosine).model_dump(mode="json")))
+    with pytest.raises(RunExistsError, match=r"run\.steps 10 -> 20: with algorithm\.lr_schedule = 'cosine'"):
+        check_same_config(saved, load_config(None, ["algorithm.lr_schedule=cosine", "run.steps=20"]))
+    check_same_config(saved, load_config(None, cosine))  # unchanged: accepted
+    saved.write_text(json.dumps(load_config(None, ["run.steps=10"]).model_dump(mode="json")))
+    check_same_config(saved, load_config(None, ["run.steps=20"]))  # constant rate: extending is fine

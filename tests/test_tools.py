@@ -17,7 +17,8 @@ from nearpolicy.tools.sandbox import namespace_prefix, run_python
 @pytest.mark.parametrize("expression, value", [("123 * 456", "56088"), ("7/4", "1.75"), ("1/3", "1/3"),
                                                ("-(2**10)//3", "-342"), ("(3+4)*(5-2)%7", "0"),
                                                ("98765432109876543 * 12345678901", str(98765432109876543 * 12345678901)),
-                                               ("0.1 + 0.2", "0.3")])
+                                               ("0.1 + 0.2", "0.3"), ("1.0000000000000000001 - 1", "0.0000000000000000001"),
+                                               ("0.12345678901234567890 * 10", "1.234567890123456789")])
 def test_calculator_is_exact(expression, value):
     assert calculate(expression) == value
 

@@ -98,6 +98,9 @@ def check_sections_agree(cfg) -> None:
     if e.kind == "llamacpp" and e.max_parallel_sequences > LLAMA_MAX_SEQ:
         raise ValueError(f"engine.max_parallel_sequences = {e.max_parallel_sequences} exceeds llama.cpp's limit of "
                          f"{LLAMA_MAX_SEQ} sequences per context (LLAMA_MAX_SEQ); use at most {LLAMA_MAX_SEQ}")
+    if a.warmup_steps and a.warmup_steps >= cfg.run.steps:
+        raise ValueError(f"algorithm.warmup_steps ({a.warmup_steps}) must be below run.steps ({cfg.run.steps}): the "
+                         "learning rate would never reach algorithm.lr")
     if a.group_size > e.max_parallel_sequences:
         raise ValueError(f"algorithm.group_size ({a.group_size}) exceeds engine.max_parallel_sequences "
                          f"({e.max_parallel_sequences}): a group is decoded in one batch")

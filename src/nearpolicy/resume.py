@@ -16,7 +16,8 @@ from nearpolicy.runs import (METRICS, RunExistsError, RunFinished, RunFolderErro
 from nearpolicy.tasks.identity import data_changes, data_identity
 
 # May change on --resume: none of them changes what a step computes.
-#   run.steps, run.name, run.output_dir: how far the run goes and where its folder is
+#   run.steps, run.name, run.output_dir: how far the run goes and where its folder is (run.steps only with
+#     algorithm.lr_schedule = "constant": it is the length of a decaying schedule, check_same_config refuses it)
 #   logging.*: what is written and how often (evals, checkpoints, TensorBoard, progress bar, the mismatch metrics)
 #   run.threads, rollout.engine_threads: CPU threads; the algorithm is the same, only the float rounding of
 #     reductions may differ (as on another machine), so a bit-for-bit reproduction needs the same counts
@@ -68,6 +69,11 @@ def check_same_config(saved_path: Path, cfg: Config) -> None:
     changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
                if saved.get(section, {}).get(key, default[section][key]) != value
                and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
+    steps_then = saved.get("run", {}).get("steps", default["run"]["steps"])
+    if steps_then != cfg.run.steps and cfg.algorithm.lr_schedule != "constant":
+        raise RunExistsError(f"--resume with run.steps {steps_then} -> {cfg.run.steps}: with algorithm.lr_schedule = "
+                             f"{cfg.algorithm.lr_schedule!r} run.steps is the schedule's length, so every later step's "
+                             "learning rate would change (start a new run.name to train longer)")
     if changed:
         allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
         raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
