@@ -15,7 +15,7 @@ import pytest
 from nearpolicy.arena.runner import classify, run_arena
 from nearpolicy.arena.spec import ArenaError, load_arena
 from nearpolicy.arena.state import ArenaState
-from nearpolicy.arena.table import changed_fraction, collapsed
+from nearpolicy.arena.table import Aggregate, changed_fraction, collapsed, spread_statements
 
 BASE = """
 [run]
@@ -143,16 +143,12 @@ def test_the_table_holds_each_cells_numbers_and_the_seed_spread_statements(tmp_p
     assert off["final"] == pytest.approx([0.6, statistics.stdev([0.5, 0.7])])
     assert off["best"] == pytest.approx([0.65, statistics.stdev([0.6, 0.7])]) and off["diverged"] == 0
     assert agg[("tis", "noise")]["k3_median"] == pytest.approx(0.2)  # median of 0.1, 0.3, 0.1, 0.3
-    se_final = 2 * math.sqrt(statistics.variance([0.9, 0.95]) / 2 + statistics.variance([0.5, 0.7]) / 2)
-    se_best = 2 * math.sqrt(statistics.variance([0.9, 0.95]) / 2 + statistics.variance([0.6, 0.7]) / 2)
-    assert (se_final, se_best) == pytest.approx((0.2062, 0.1118), abs=1e-4)
-    assert data["statements"][0] == (f"tis vs off under q8: final +0.325 (OUTSIDE the seed spread, 2 SE = 0.206); "
-                                     "best +0.275 (OUTSIDE the seed spread, 2 SE = 0.112)")
-    assert data["statements"][1].startswith("tis vs off under noise: final +0.100 (inside the seed spread, 2 SE = ")
+    assert data["statements"][0] == ("tis vs off under q8: final +0.325: not established: 2 seeds; at least 3 "
+                                     "needed; best +0.275: not established: 2 seeds; at least 3 needed")
     md = (tmp_path / "out" / "arena.md").read_text()
     assert "| off | 0.600 ± 0.141; div 0/2; k3 2.0e-03 | 0.500 ± 0.141; div 0/2; k3 2.0e-01 |" in md
     html = (tmp_path / "out" / "arena.html").read_text()
-    assert html.count("data:image/png;base64,") == 2 and "OUTSIDE the seed spread" in html
+    assert html.count("data:image/png;base64,") == 2 and "not established: 2 seeds" in html
 
 
 def test_finished_cells_never_rerun_and_failures_are_recorded_and_classified(tmp_path):
@@ -252,3 +248,37 @@ def test_arena_help_says_what_it_does_and_what_it_does_not(capsys):
     out = capsys.readouterr().out
     assert done.value.code == 0 and "--dry-run" in out and "--only CELL_GLOB" in out
     assert "Ray workers are not supported" in out and "arena-state.json" in out
+
+
+def _agg(correction: str, finals: list[float]) -> Aggregate:
+    sd = statistics.stdev(finals) if len(finals) > 1 else None
+    mean = statistics.fmean(finals)
+    return Aggregate(correction, "q8", len(finals), len(finals), (mean, sd), (mean, sd), 0, None, None, None, 0)
+
+
+def test_no_difference_is_claimed_below_three_seeds_or_from_seeds_that_happen_to_agree():
+    # 2 seeds of equal accuracy per arm: sd 0, yet no claim
+    two = spread_statements([_agg("off", [0.5, 0.5]), _agg("tis", [0.6, 0.6])], "off", 64)
+    assert two == ["tis vs off under q8: final +0.100: not established: 2 seeds; at least 3 needed; "
+                   "best +0.100: not established: 2 seeds; at least 3 needed"]
+    # 3 equal seeds per arm on 64 problems: the SE is the binomial floor sqrt(p (1 - p) / 64 / 3), not 0;
+    # Welch df = (va + vb)^2 / ((va^2 + vb^2) / 2) = 3.99 -> 3, t = 3.182
+    va, vb = 0.55 * 0.45 / 64 / 3, 0.5 * 0.5 / 64 / 3
+    bound = 3.182 * math.sqrt(va + vb)
+    assert bound == pytest.approx(0.1620, abs=1e-4)
+    equal = spread_statements([_agg("off", [0.5] * 3), _agg("tis", [0.55] * 3)], "off", 64)[0]
+    assert equal.startswith(f"tis vs off under q8: final +0.050 (inside the seed spread: 95 % bound t(0.975, df 3) "
+                            f"x SE = {bound:.3f}, Welch")
+
+
+def test_a_clearly_separated_difference_lies_outside_the_t_bound():
+    # off 0.50 +- 0.02 vs tis 0.80 +- 0.10 on 64 problems, 4 seeds each: off's sd is below its binomial floor
+    off, tis = [0.48, 0.50, 0.50, 0.52], [0.70, 0.80, 0.80, 0.90]
+    va = statistics.variance(tis) / 4  # 0.0067 / 4: above the floor 0.8 * 0.2 / 64 / 4
+    vb = 0.5 * 0.5 / 64 / 4  # off's floor: its sd 0.016 is below sqrt(0.25 / 64) = 0.0625
+    df = (va + vb) ** 2 / (va * va / 3 + vb * vb / 3)
+    assert int(df) == 5
+    bound = 2.571 * math.sqrt(va + vb)
+    said = spread_statements([_agg("off", off), _agg("tis", tis)], "off", 64)[0]
+    assert said.startswith(f"tis vs off under q8: final +0.300 (OUTSIDE the seed spread: 95 % bound t(0.975, df 5) "
+                           f"x SE = {bound:.3f}, Welch")

@@ -146,7 +146,7 @@ def write_page(spec: ArenaSpec, state: ArenaState) -> list[str]:
     """Write OUT/arena.md, arena.json and arena.html from every cell's run so far; returns the warnings met while
     reading the runs' metrics."""
     results, aggregates, warnings = arena_results(spec, state)
-    statements = spread_statements(aggregates, spec.baseline)
+    statements = spread_statements(aggregates, spec.baseline, spec.cells[0].config.task.eval_size)
     spec.out.mkdir(parents=True, exist_ok=True)
     (spec.out / "arena.md").write_text(render_markdown(spec, state, results, aggregates, statements))
     write_json(spec.out / "arena.json", {

@@ -147,37 +147,71 @@ def aggregate(results: list[CellResult], correction: str, source: str) -> Aggreg
                      sum(r.status not in ("done", "diverged") for r in mine))
 
 
-def compare(a: Aggregate, base: Aggregate, which: str = "final") -> tuple[float, float | None] | None:
-    """(difference of means a - base, twice its standard error sqrt(sd_a^2 / n_a + sd_b^2 / n_b)) of the `which`
-    accuracy; the error is None below 2 seeds on either side; None when either has no accuracy."""
+MIN_SEEDS = 3  # seeds per arm below which no difference is claimed
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""t_{0.975, df} for df = 1..30 (Student's t, two-sided 95 %; the standard table, e.g. NIST/SEMATECH e-Handbook of
+Statistical Methods, sec. 1.3.6.7.2). Above 30 degrees of freedom the df = 30 value is used (conservative)."""
+
+
+def t975(df: float) -> float:
+    """t_{0.975, df} from T975, df rounded down (fewer degrees of freedom: a wider bound), clamped to [1, 30]."""
+    return T975[min(max(int(df), 1), len(T975)) - 1]
+
+
+def arm_se(mean: float, sd: float, n: int, eval_size: int) -> float:
+    """Standard error of an arm's mean accuracy over n seeds: sd / sqrt(n), floored at the eval set's binomial
+    noise sqrt(p (1 - p) / eval_size) / sqrt(n), p the mean clamped to [1 / eval_size, 1 - 1 / eval_size], so seeds
+    that happen to agree on a coarse eval set never give a zero spread."""
+    p = min(max(mean, 1 / eval_size), 1 - 1 / eval_size) if eval_size > 1 else 0.5
+    return max(sd, math.sqrt(p * (1 - p) / max(eval_size, 1))) / math.sqrt(n)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """a - base of the mean `which` accuracy; `bound` the 95 % half-width t_{0.975, df} x SE (Welch: SE =
+    sqrt(se_a^2 + se_b^2) with arm_se's floored errors, df by Welch-Satterthwaite); bound and df None when either arm
+    has fewer than MIN_SEEDS seeds."""
+
+    difference: float
+    seeds: int
+    bound: float | None = None
+    df: float | None = None
+
+
+def compare(a: Aggregate, base: Aggregate, eval_size: int, which: str = "final") -> Comparison | None:
+    """The Comparison of the `which` accuracy of a against base; None when either has no accuracy."""
     (ma, sa), (mb, sb) = getattr(a, which), getattr(base, which)
     if ma is None or mb is None:
         return None
-    if sa is None or sb is None:
-        return ma - mb, None
-    return ma - mb, 2 * math.sqrt(sa * sa / a.n + sb * sb / base.n)
+    seeds = min(a.n, base.n)
+    if seeds < MIN_SEEDS:
+        return Comparison(ma - mb, seeds)
+    va, vb = arm_se(ma, sa or 0.0, a.n, eval_size) ** 2, arm_se(mb, sb or 0.0, base.n, eval_size) ** 2
+    df = (va + vb) ** 2 / (va * va / (a.n - 1) + vb * vb / (base.n - 1))
+    return Comparison(ma - mb, seeds, t975(df) * math.sqrt(va + vb), df)
 
 
-def spread_statements(aggregates: list[Aggregate], baseline: str) -> list[str]:
+def _said(which: str, got: Comparison | None) -> str:
+    if got is None:
+        return f"{which} accuracy: not available (a cell has no result)"
+    if got.bound is None:
+        return f"{which} {got.difference:+.3f}: not established: {got.seeds} seeds; at least {MIN_SEEDS} needed"
+    inside = abs(got.difference) <= got.bound
+    return (f"{which} {got.difference:+.3f} ({'inside' if inside else 'OUTSIDE'} the seed spread: 95 % bound "
+            f"t(0.975, df {int(got.df)}) x SE = {got.bound:.3f}, Welch, SE floored at the eval set's binomial noise)")
+
+
+def spread_statements(aggregates: list[Aggregate], baseline: str, eval_size: int) -> list[str]:
     """One plain sentence per correction x source against the baseline correction under the same source: the
-    final and best accuracy differences and whether each lies inside the seed spread (|difference| <= 2 standard
-    errors) or outside it."""
+    final and best accuracy differences and whether each lies inside the seed spread (|difference| <= the 95 %
+    Welch bound of compare) or outside it; no claim with fewer than MIN_SEEDS seeds on either side."""
     lines = []
     for agg in aggregates:
         base = next((b for b in aggregates if b.correction == baseline and b.source == agg.source), None)
         if agg.correction == baseline or base is None:
             continue
-        parts = []
-        for which in ("final", "best"):
-            got = compare(agg, base, which)
-            if got is None:
-                parts.append(f"{which} accuracy: not available (a cell has no result)")
-            elif got[1] is None:
-                parts.append(f"{which} {got[0]:+.3f}: one seed, the spread is unknown, so no difference can be claimed")
-            else:
-                inside = abs(got[0]) <= got[1]
-                parts.append(f"{which} {got[0]:+.3f} ({'inside' if inside else 'OUTSIDE'} the seed spread, "
-                             f"2 SE = {got[1]:.3f})")
+        parts = [_said(which, compare(agg, base, eval_size, which)) for which in ("final", "best")]
         lines.append(f"{agg.correction} vs {baseline} under {agg.source}: " + "; ".join(parts)
                      + (f"; diverged {agg.diverged}/{agg.n} vs {base.diverged}/{base.n}"
                         if agg.diverged or base.diverged else ""))
