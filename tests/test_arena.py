@@ -282,3 +282,29 @@ def test_a_clearly_separated_difference_lies_outside_the_t_bound():
     said = spread_statements([_agg("off", off), _agg("tis", tis)], "off", 64)[0]
     assert said.startswith(f"tis vs off under q8: final +0.300 (OUTSIDE the seed spread: 95 % bound t(0.975, df 5) "
                            f"x SE = {bound:.3f}, Welch")
+
+
+class NanFinalTrain(FakeTrain):
+    """FakeTrain whose cell off/q8/s0 logs a NaN eval at its last step (step 2) after a finite one at step 1."""
+
+    def __call__(self, cfg, resume, log, progress):
+        outcome = super().__call__(cfg, resume, log, progress)
+        if cfg.run.name == "off__q8__s0":
+            path = cfg.run.output_dir / cfg.run.name / "metrics.jsonl"
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            rows[1]["eval/accuracy"], rows[2]["eval/accuracy"] = 0.1, float("nan")
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return outcome
+
+
+def test_a_nan_final_eval_is_reported_missing_never_replaced_by_an_earlier_one(tmp_path):
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    assert run_arena(spec, say=lambda _: None, train=NanFinalTrain()) == 0
+    data = json.loads((tmp_path / "out" / "arena.json").read_text())
+    cell = next(c for c in data["cells"] if c["id"] == "off/q8/s0")
+    assert (cell["initial_accuracy"], cell["final_accuracy"], cell["best_accuracy"]) == (0.5, None, 0.5)
+    assert cell["diverged"] is None and cell["notes"] == ["eval at step 2 is nan: reported as n/a"]
+    off = next(a for a in data["aggregates"] if (a["correction"], a["source"]) == ("off", "q8"))
+    assert off["n"] == 1 and off["final"] == [0.7, None]  # only s1's final
+    md = (tmp_path / "out" / "arena.md").read_text()
+    assert "| off/q8/s0 | done | 2 | 0.500 | n/a | 0.500 |" in md and "eval at step 2 is nan: reported as n/a" in md

@@ -22,7 +22,7 @@ COLUMNS = ("correction", "source", "seeds", "final accuracy", "best accuracy", "
 
 
 def _num(value: float | None, fmt: str = ".3f") -> str:
-    return "-" if value is None else format(value, fmt)
+    return "n/a" if value is None or value != value else format(value, fmt)
 
 
 def _mean_sd(pair: tuple[float | None, float | None]) -> str:
@@ -62,11 +62,11 @@ def _cell_rows(results: list[CellResult]) -> list[list[str]]:
     return [[r.id, r.status + (f" ({r.failure})" if r.failure else ""), str(r.steps), _num(r.initial_accuracy),
              _num(r.final_accuracy), _num(r.best_accuracy), _num(r.k3_median, ".2e"),
              "-" if r.changed_fraction is None else f"{100 * r.changed_fraction:.2f} %", _num(r.step_seconds, ".1f"),
-             (r.error or "").splitlines()[-1][:160] if r.error else ""] for r in results]
+             "; ".join(r.notes + ([r.error.splitlines()[-1][:160]] if r.error else []))] for r in results]
 
 
 CELL_COLUMNS = ["cell", "status", "steps", "step-0 acc", "final acc", "best acc", "median k3", "changed", "s/step",
-                "error"]
+                "notes / error"]
 
 
 def _arms_said(spec: ArenaSpec) -> list[str]:

@@ -1,8 +1,9 @@
 """The arena's numbers: per cell from its run's metrics.jsonl (runs.read_metrics), then per correction x source
 over the seeds, and which differences from the baseline correction lie inside the seed spread.
 
-Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the last eval and its best; the median over
-training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over steps of the
+Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the cell's last step (run.steps; missing or
+non-finite there: None, shown as n/a and said in the cell's notes, never an earlier eval in its place) and its best;
+the median over training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over steps of the
 fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps included).
 A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its accuracy
 collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by more than twice the binomial standard
@@ -64,6 +65,7 @@ class CellResult:
     changed_fraction: float | None = None
     step_seconds: float | None = None
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
     accuracy: list[tuple[int, float]] = field(default_factory=list)
     k3: list[tuple[int, float]] = field(default_factory=list)
 
@@ -78,6 +80,16 @@ def duration(seconds: float) -> str:
 
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+def _eval_at(rows: list[dict], step: int, notes: list[str]) -> float | None:
+    """eval/accuracy logged at `step` (the last such row); None, with a note, when that step has no eval or a
+    non-finite one: never an eval of another step in its place."""
+    logged = [r["eval/accuracy"] for r in rows if r.get("step") == step and "eval/accuracy" in r]
+    if logged and is_finite_number(logged[-1]):
+        return float(logged[-1])
+    notes.append(f"eval at step {step} {'is ' + str(logged[-1]) if logged else 'missing'}: reported as n/a")
+    return None
 
 
 def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
@@ -95,9 +107,10 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     train = [r for r in rows if "reward/mean" in r]
     result.accuracy, result.k3 = finite_points(rows, "eval/accuracy"), finite_points(train, "mismatch/k3")
     result.steps = max((r["step"] for r in train), default=0)
+    result.initial_accuracy = _eval_at(rows, 0, result.notes)
+    result.final_accuracy = _eval_at(rows, cell.config.run.steps, result.notes)
     if result.accuracy:
-        values = [v for _, v in result.accuracy]
-        result.initial_accuracy, result.final_accuracy, result.best_accuracy = values[0], values[-1], max(values)
+        result.best_accuracy = max(v for _, v in result.accuracy)
     if result.k3:
         result.k3_median = statistics.median(v for _, v in result.k3)
     action = cell.config.correction.spec().action
@@ -105,7 +118,7 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     result.step_seconds = _mean([v for _, v in finite_points(train, "time/step")])
     if record.status == "diverged":
         result.diverged = True
-    elif record.status == "done" and result.final_accuracy is not None:
+    elif record.status == "done" and None not in (result.initial_accuracy, result.final_accuracy):
         result.diverged = collapsed(result.initial_accuracy, result.final_accuracy, cell.config.task.eval_size)
     return result, log.warnings
 
