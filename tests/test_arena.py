@@ -64,8 +64,11 @@ def test_cells_are_every_correction_source_and_seed_as_validated_configs(tmp_pat
     assert [c.id for c in spec.select("*/noise/s0")] == ["off/noise/s0", "tis/noise/s0"]
 
 
+OVERRIDE = '\n[[override]]\ncells = "tis/*/s1"\nset = ["run.steps=3"]\n'
+
+
 def test_an_override_applies_to_the_cells_its_glob_matches(tmp_path):
-    spec = load_arena(_arena(tmp_path, ARENA + '\n[[override]]\ncells = "tis/*/s1"\nset = ["run.steps=3"]\n'))
+    spec = load_arena(_arena(tmp_path, ARENA.replace("baseline", 'vary = ["run.steps"]\nbaseline') + OVERRIDE))
     assert {c.id: c.config.run.steps for c in spec.cells if c.config.run.steps == 3} == {"tis/q8/s1": 3,
                                                                                          "tis/noise/s1": 3}
 
@@ -83,10 +86,17 @@ def test_an_override_applies_to_the_cells_its_glob_matches(tmp_path):
     (lambda t: t.replace("logit_noise=0.5", "logit_noise=0.5\", \"run.seed=3"), "sources.noise.set: run.seed is set"),
     (lambda t: t.replace('"base.toml"', '"nope.toml"'), "arena.base: the base config .*nope.toml does not exist"),
     (lambda t: t.replace('baseline = "off"', 'baseline = "tiss"'), "arena.baseline 'tiss' is not one"),
-    (lambda t: t.replace("engine.logit_noise=0.5", "task.eval_size=8"), "changes task.eval_size"),
+    (lambda t: t.replace("engine.logit_noise=0.5", "task.eval_size=8"),
+     "cell off/noise/s0 has task.eval_size = 8 but cell off/q8/s0 has 4"),
+    (lambda t: t + OVERRIDE, r"cell tis/q8/s1 has run.steps = 3 but cell off/q8/s0 has 2: .*arena.vary"),
+    (lambda t: t.replace("engine.logit_noise=0.5", "algorithm.group_size=2"),
+     "cell off/noise/s0 has algorithm.group_size = 2 but cell off/q8/s0 has 8"),
+    (lambda t: t.replace("baseline", 'vary = ["task.eval_size"]\nbaseline'), "arena.vary: 'task.eval_size' is not"),
+    (lambda t: t + OVERRIDE.replace("tis/*/s1", "tis/*/s7"), r"override\[0\].cells 'tis/\*/s7' matches no cell"),
     (lambda t: t.replace("note =", "nose ="), "sources.q8: unknown key 'nose'"),
 ], ids=["repeated-seed", "repeated-name", "case-collision", "double-underscore", "slash", "unknown-key",
-        "bad-value", "unknown-arena-key", "owned-key", "missing-base", "bad-baseline", "different-eval", "arm-key"])
+        "bad-value", "unknown-arena-key", "owned-key", "missing-base", "bad-baseline", "different-eval",
+        "different-steps", "different-group-size", "vary-task", "override-matches-nothing", "arm-key"])
 def test_bad_arena_files_are_refused_naming_the_problem(tmp_path, edit, match):
     with pytest.raises(ArenaError, match=match):
         load_arena(_arena(tmp_path, edit(ARENA)))
