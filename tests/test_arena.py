@@ -218,11 +218,14 @@ def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
     from nearpolicy.cli import main
 
     path = _arena(tmp_path, ARENA.replace("baseline", "step_seconds = 10.0\neval_seconds = 5.0\nstart_seconds = 20.0\n"
-                                          "baseline"))
+                                          "baseline") + '[[override]]\ncells = "tis/noise/*"\nset = ["algorithm.lr=3e-5"]\n')
     assert main(["arena", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--only", "tis/*"]) == 0
     out = capsys.readouterr().out
     assert "off/q8/s0" not in out and out.count("pending") == 4
-    assert "tis/noise/s1" in out and "engine.logit_noise=0.5 correction.preset=\"tis\" correction.upper=3.0" in out
+    every = 'algorithm.lr=1e-5 engine.logit_noise=0.5 correction.preset="tis" correction.upper=3.0 algorithm.lr=3e-5'
+    assert next(line for line in out.splitlines() if line.startswith("tis/noise/s1")).endswith(every)
+    assert next(line for line in out.splitlines() if line.startswith("tis/q8/s0")).endswith(
+        'algorithm.lr=1e-5 engine.precision=\'q8_0\' correction.preset="tis" correction.upper=3.0')
     # 4 cells x (20 s start + 3 evals x 5 s + 2 steps x 10 s) = 220 s
     assert "8 training steps" in out and "estimated 3m40s" in out
     assert not (tmp_path / "out").exists()

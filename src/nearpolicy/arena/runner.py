@@ -219,7 +219,8 @@ def run_arena(spec: ArenaSpec, only: str | None = None, say: Callable[[str], Non
 
 
 def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
-    """The cells `only` selects, each with its status (from a stored state, if any) and overrides, and the
+    """The cells `only` selects, each with its status (from a stored state, if any) and every override it gets
+    (arena.set, source, correction, [[override]]s, in the order applied), and the
     estimated budget. Writes nothing. Raises ArenaError for a changed arena or an --only matching nothing."""
     chosen = spec.select(only)
     state = ArenaState.open(spec.out, spec)
@@ -227,13 +228,11 @@ def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
     steps = sum(cell_units(c)[0] for c in todo)
     samples = sum(cell_units(c)[0] * cell_units(c)[2] for c in todo)
     left, measured = eta_seconds(spec, state, todo, 0.0)
-    arms = {a.name: a for a in spec.corrections} | {f"source:{a.name}": a for a in spec.sources}
     lines = [f"# nearpolicy arena --dry-run {spec.path}: base {spec.base}, output {spec.out}; nothing was run",
              f"# {len(spec.corrections)} corrections x {len(spec.sources)} sources x {len(spec.seeds)} seeds = "
              f"{len(spec.cells)} cells; {len(chosen)} selected, {len(todo)} to run"]
     for cell in chosen:
-        overrides = " ".join(arms[f"source:{cell.source}"].sets + arms[cell.correction].sets)
-        lines.append(f"{cell.id:<40} {state.cells[cell.id].status:<9} {overrides}")
+        lines.append(f"{cell.id:<40} {state.cells[cell.id].status:<9} {' '.join(cell.sets)}")
     lines.append(f"# budget of the cells to run: {steps} training steps, {samples} samples; estimated "
                  f"{duration(left)} ({'from the finished cells' if measured else 'arena.step_seconds, eval_seconds, start_seconds'})")
     return "\n".join(lines) + "\n"

@@ -72,12 +72,14 @@ class Arm:
 
 @dataclass(frozen=True)
 class Cell:
-    """One run of the grid: correction x source x seed, with its validated config."""
+    """One run of the grid: correction x source x seed, with its validated config and the --set overrides that made
+    it from the base file (arena.set, the source's, the correction's, the matching overrides'; not the owned keys)."""
 
     correction: str
     source: str
     seed: int
     config: Config
+    sets: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -287,9 +289,9 @@ def _cells(spec: ArenaSpec, base: dict, common: tuple[str, ...], overrides) -> l
                 extra = [s for _, sets in mine for s in sets]
                 owned = [f"run.seed={seed}", f"run.name={json.dumps(draft.folder)}",
                          f"run.output_dir={json.dumps(str(spec.out / 'cells'))}"]
-                sets = [*common, *source.sets, *correction.sets, *extra, *owned]
+                sets = (*common, *source.sets, *correction.sets, *extra)
                 cells.append(Cell(correction.name, source.name, seed,
-                                  _config(base, sets, f"cell {draft.id}", spec.base)))
+                                  _config(base, [*sets, *owned], f"cell {draft.id}", spec.base), sets))
     for i, (glob, _) in enumerate(overrides):
         if i not in matched:
             raise ArenaError(f"override[{i}].cells {glob!r} matches no cell; cells are named correction/source/sSEED, "
