@@ -228,6 +228,10 @@ def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
         'algorithm.lr=1e-5 engine.precision=\'q8_0\' correction.preset="tis" correction.upper=3.0')
     # 4 cells x (20 s start + 3 evals x 5 s + 2 steps x 10 s) = 220 s
     assert "8 training steps" in out and "estimated 3m40s" in out
+    assert "# 2 corrections x 2 sources x 2 seeds = 8 cells; 4 selected, 4 to run" in out
+    one = _arena(tmp_path, ARENA.replace('noise = { set = ["engine.logit_noise=0.5"] }', "").replace("[0, 1]", "[0]"))
+    assert main(["arena", str(one), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    assert "# 2 corrections x 1 source x 1 seed = 2 cells;" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
     assert main(["arena", str(tmp_path / "missing.toml")]) == 2
 
@@ -251,6 +255,8 @@ def test_eta_from_the_running_cells_pace_then_from_finished_cells(tmp_path):
     state.cells[spec.cells[7].id].status, state.cells[spec.cells[7].id].seconds = "done", 300.0
     assert eta_seconds(spec, state, todo, 100.0, (1, 1)) == (100.0 + 300.0 * 2, True)  # finished cells' mean
     assert eta_seconds(spec, state, todo, 0.0) == (900.0, True)
+    state.cells[spec.cells[6].id].status, state.cells[spec.cells[6].id].seconds = "diverged", 10.0  # stopped early
+    assert eta_seconds(spec, state, todo, 0.0) == (900.0, True)  # not (300 + 10) / 2 per cell
 
 
 def test_arena_help_says_what_it_does_and_what_it_does_not(capsys):
@@ -321,3 +327,18 @@ def test_a_nan_final_eval_is_reported_missing_never_replaced_by_an_earlier_one(t
     assert off["n"] == 1 and off["final"] == [0.7, None]  # only s1's final
     md = (tmp_path / "out" / "arena.md").read_text()
     assert "| off/q8/s0 | done | 2 | 0.500 | n/a | 0.500 |" in md and "eval at step 2 is nan: reported as n/a" in md
+
+
+def test_a_collapsed_seed_is_counted_diverged_and_marks_the_means_it_is_in(tmp_path):
+    # 2 seeds of off/q8 on 64 problems: s0 collapses 0.5 -> 0.05 (2 SE of the difference = 0.13)
+    spec = load_arena(_arena(tmp_path, base=BASE.replace("eval_size = 4", "eval_size = 64")), out=tmp_path / "out")
+    FINAL["off/q8/s0"], saved = 0.05, FINAL["off/q8/s0"]
+    try:
+        assert run_arena(spec, only="off/q8/*", say=lambda _: None, train=FakeTrain()) == 0
+    finally:
+        FINAL["off/q8/s0"] = saved
+    data = json.loads((tmp_path / "out" / "arena.json").read_text())
+    off = next(a for a in data["aggregates"] if (a["correction"], a["source"]) == ("off", "q8"))
+    assert (off["n"], off["finished"], off["diverged"], off["diverged_in_mean"]) == (2, 2, 1, 1)
+    md = (tmp_path / "out" / "arena.md").read_text()
+    assert "| off | 0.375 ± 0.460 (incl. 1 diverged); div 1/2;" in md

@@ -25,18 +25,20 @@ def _num(value: float | None, fmt: str = ".3f") -> str:
     return "n/a" if value is None or value != value else format(value, fmt)
 
 
-def _mean_sd(pair: tuple[float | None, float | None]) -> str:
+def _mean_sd(pair: tuple[float | None, float | None], a: Aggregate | None = None) -> str:
+    """'mean ± sd', marked when the mean includes a diverged seed (a collapsed run's accuracy)."""
     mean, sd = pair
     if mean is None:
-        return "-"
-    return f"{mean:.3f} ± {sd:.3f}" if sd is not None else f"{mean:.3f} (1 seed)"
+        return "n/a"
+    said = f"{mean:.3f} ± {sd:.3f}" if sd is not None else f"{mean:.3f} (1 seed)"
+    return said + (f" (incl. {a.diverged_in_mean} diverged)" if a is not None and a.diverged_in_mean else "")
 
 
 def aggregate_row(a: Aggregate) -> list[str]:
     """The long table's cells for one correction x source (COLUMNS)."""
     seeds = f"{a.n}/{a.seeds}" + (f" ({a.failed} failed or not run)" if a.failed else "")
-    return [a.correction, a.source, seeds, _mean_sd(a.final), _mean_sd(a.best),
-            f"{a.diverged}/{a.n}" if a.n else "-", _num(a.k3_median, ".2e"),
+    return [a.correction, a.source, seeds, _mean_sd(a.final, a), _mean_sd(a.best, a),
+            f"{a.diverged}/{a.finished}" if a.finished else "-", _num(a.k3_median, ".2e"),
             "-" if a.changed_fraction is None else f"{100 * a.changed_fraction:.2f} %", _num(a.step_seconds, ".1f")]
 
 
@@ -53,7 +55,8 @@ def _matrix(spec: ArenaSpec, aggregates: list[Aggregate]) -> tuple[list[str], li
         row = [c.name]
         for s in spec.sources:
             a = by[(c.name, s.name)]
-            row.append(f"{_mean_sd(a.final)}; div {a.diverged}/{a.n}; k3 {_num(a.k3_median, '.1e')}" if a.n else "-")
+            row.append(f"{_mean_sd(a.final, a)}; div {a.diverged}/{a.finished}; k3 {_num(a.k3_median, '.1e')}"
+                       if a.finished else "-")
         rows.append(row)
     return header, rows
 

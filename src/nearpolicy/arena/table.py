@@ -127,7 +127,10 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
 class Aggregate:
     """One correction x source over its seeds: (mean, sample sd; sd None below 2 seeds) of the final and best
     accuracy, the diverged count, the median k3 (over every step of every seed), the mean changed fraction and
-    step time. `n` counts the seeds with an accuracy; `failed` the seeds whose cell failed or has not run."""
+    step time. `n` counts the seeds with a final accuracy (those in the means); `failed` the seeds whose cell failed
+    or has not run; `finished` the seeds done or diverged, `diverged` of them how many diverged (stopped or
+    collapsed), `diverged_in_mean` how many diverged seeds are in the means (a collapse, or a stop at the last step):
+    the page marks those means."""
 
     correction: str
     source: str
@@ -140,6 +143,8 @@ class Aggregate:
     changed_fraction: float | None
     step_seconds: float | None
     failed: int
+    finished: int = 0
+    diverged_in_mean: int = 0
 
 
 def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
@@ -150,14 +155,16 @@ def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
 
 def aggregate(results: list[CellResult], correction: str, source: str) -> Aggregate:
     mine = [r for r in results if r.correction == correction and r.source == source]
-    scored = [r for r in mine if r.final_accuracy is not None and r.status in ("done", "diverged")]
+    finished = [r for r in mine if r.status in ("done", "diverged")]
+    scored = [r for r in finished if r.final_accuracy is not None]
     k3 = [v for r in scored for _, v in r.k3]
     return Aggregate(correction, source, len(mine), len(scored), _mean_sd([r.final_accuracy for r in scored]),
-                     _mean_sd([r.best_accuracy for r in scored]), sum(bool(r.diverged) for r in scored),
+                     _mean_sd([r.best_accuracy for r in scored]), sum(bool(r.diverged) for r in finished),
                      statistics.median(k3) if k3 else None,
                      _mean([r.changed_fraction for r in scored if r.changed_fraction is not None]),
                      _mean([r.step_seconds for r in scored if r.step_seconds is not None]),
-                     sum(r.status not in ("done", "diverged") for r in mine))
+                     sum(r.status not in ("done", "diverged") for r in mine), len(finished),
+                     sum(bool(r.diverged) for r in scored))
 
 
 MIN_SEEDS = 3  # seeds per arm below which no difference is claimed
@@ -226,8 +233,10 @@ def spread_statements(aggregates: list[Aggregate], baseline: str, eval_size: int
             continue
         parts = [_said(which, compare(agg, base, eval_size, which)) for which in ("final", "best")]
         lines.append(f"{agg.correction} vs {baseline} under {agg.source}: " + "; ".join(parts)
-                     + (f"; diverged {agg.diverged}/{agg.n} vs {base.diverged}/{base.n}"
-                        if agg.diverged or base.diverged else ""))
+                     + (f"; diverged {agg.diverged}/{agg.finished} vs {base.diverged}/{base.finished}"
+                        if agg.diverged or base.diverged else "")
+                     + "".join(f"; {a.correction}'s means include {a.diverged_in_mean} diverged seed(s)"
+                               for a in (agg, base) if a.diverged_in_mean))
     return lines
 
 
