@@ -217,8 +217,9 @@ def test_classify_and_changed_fraction():
 def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
     from nearpolicy.cli import main
 
+    override = '[[override]]\ncells = "tis/noise/*"\nset = ["algorithm.lr=3e-5"]\n'
     path = _arena(tmp_path, ARENA.replace("baseline", "step_seconds = 10.0\neval_seconds = 5.0\nstart_seconds = 20.0\n"
-                                          "baseline") + '[[override]]\ncells = "tis/noise/*"\nset = ["algorithm.lr=3e-5"]\n')
+                                          "baseline") + override)
     assert main(["arena", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--only", "tis/*"]) == 0
     out = capsys.readouterr().out
     assert "off/q8/s0" not in out and out.count("pending") == 4

@@ -5,9 +5,9 @@ A cell whose run folder exists is continued through the ordinary resume path (`-
 checkpoint; a finished run is recognised as such), so an interrupted arena continues where it stopped and a done or
 diverged cell never runs again. A failed cell is recorded with its error and the arena goes on; SIGINT / SIGTERM
 stop the arena after the cell's step in progress (checkpointed), exit 130 / 143. While a cell runs, a progress line
-on stderr says which cell (i/N), its step and the arena's ETA, from the done cells' wall times (not the diverged ones') (before any has
-finished: the arena's estimates, marked "est."). Ray workers are not supported: cells run in this process, one at a
-time (each cell may still use rollout.backend = "ray" itself)."""
+on stderr says which cell (i/N), its step and the arena's ETA, from the done cells' wall times (not the diverged
+ones'; before any is done: the running cell's pace, else the arena's estimates, marked "est."). Ray workers are
+not supported: cells run in this process, one at a time (each cell may still use rollout.backend = "ray" itself)."""
 
 from __future__ import annotations
 

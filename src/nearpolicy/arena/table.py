@@ -3,9 +3,9 @@ over the seeds, and which differences from the baseline correction lie inside th
 
 Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the cell's last step (run.steps; missing or
 non-finite there: None, shown as n/a and said in the cell's notes, never an earlier eval in its place) and its best;
-the median over training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over steps of the
-fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps included).
-A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its accuracy
+the median over training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over
+steps of the fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps
+included). A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its accuracy
 collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by more than twice the binomial standard
 error of the difference on the eval set)."""
 
