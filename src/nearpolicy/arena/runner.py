@@ -237,6 +237,7 @@ def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
              f"{_count(spec.seeds, 'seed')} = {_count(spec.cells, 'cell')}; {len(chosen)} selected, {len(todo)} to run"]
     for cell in chosen:
         lines.append(f"{cell.id:<40} {state.cells[cell.id].status:<9} {' '.join(cell.sets)}")
+    basis = "from the done cells" if measured else "arena.step_seconds, eval_seconds, start_seconds"
     lines.append(f"# budget of the cells to run: {steps} training steps, {samples} samples; estimated "
-                 f"{duration(left)} ({'from the finished cells' if measured else 'arena.step_seconds, eval_seconds, start_seconds'})")
+                 f"{duration(left)} ({basis})")
     return "\n".join(lines) + "\n"

@@ -5,9 +5,9 @@ Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the cell's
 non-finite there: None, shown as n/a and said in the cell's notes, never an earlier eval in its place) and its best;
 the median over training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over
 steps of the fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps
-included). A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its accuracy
-collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by more than twice the binomial standard
-error of the difference on the eval set)."""
+included). A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its
+accuracy collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by more than twice the binomial
+standard error of the difference on the eval set)."""
 
 from __future__ import annotations
 
@@ -216,7 +216,8 @@ def _said(which: str, got: Comparison | None) -> str:
     if got is None:
         return f"{which} accuracy: not available (a cell has no result)"
     if got.bound is None:
-        return f"{which} {got.difference:+.3f}: not established: {got.seeds} seeds; at least {MIN_SEEDS} needed"
+        return (f"{which} {got.difference:+.3f}: not established: {got.seeds} seed{'' if got.seeds == 1 else 's'}; "
+                f"at least {MIN_SEEDS} needed")
     inside = abs(got.difference) <= got.bound
     return (f"{which} {got.difference:+.3f} ({'inside' if inside else 'OUTSIDE'} the seed spread: 95 % bound "
             f"t(0.975, df {int(got.df)}) x SE = {got.bound:.3f}, Welch, SE floored at the eval set's binomial noise)")
