@@ -15,7 +15,7 @@ import pytest
 from nearpolicy.arena.runner import classify, run_arena
 from nearpolicy.arena.spec import ArenaError, load_arena
 from nearpolicy.arena.state import ArenaState
-from nearpolicy.arena.table import changed_fraction, collapsed
+from nearpolicy.arena.table import Aggregate, changed_fraction, collapsed, spread_statements
 
 BASE = """
 [run]
@@ -64,8 +64,11 @@ def test_cells_are_every_correction_source_and_seed_as_validated_configs(tmp_pat
     assert [c.id for c in spec.select("*/noise/s0")] == ["off/noise/s0", "tis/noise/s0"]
 
 
+OVERRIDE = '\n[[override]]\ncells = "tis/*/s1"\nset = ["run.steps=3"]\n'
+
+
 def test_an_override_applies_to_the_cells_its_glob_matches(tmp_path):
-    spec = load_arena(_arena(tmp_path, ARENA + '\n[[override]]\ncells = "tis/*/s1"\nset = ["run.steps=3"]\n'))
+    spec = load_arena(_arena(tmp_path, ARENA.replace("baseline", 'vary = ["run.steps"]\nbaseline') + OVERRIDE))
     assert {c.id: c.config.run.steps for c in spec.cells if c.config.run.steps == 3} == {"tis/q8/s1": 3,
                                                                                          "tis/noise/s1": 3}
 
@@ -83,10 +86,17 @@ def test_an_override_applies_to_the_cells_its_glob_matches(tmp_path):
     (lambda t: t.replace("logit_noise=0.5", "logit_noise=0.5\", \"run.seed=3"), "sources.noise.set: run.seed is set"),
     (lambda t: t.replace('"base.toml"', '"nope.toml"'), "arena.base: the base config .*nope.toml does not exist"),
     (lambda t: t.replace('baseline = "off"', 'baseline = "tiss"'), "arena.baseline 'tiss' is not one"),
-    (lambda t: t.replace("engine.logit_noise=0.5", "task.eval_size=8"), "changes task.eval_size"),
+    (lambda t: t.replace("engine.logit_noise=0.5", "task.eval_size=8"),
+     "cell off/noise/s0 has task.eval_size = 8 but cell off/q8/s0 has 4"),
+    (lambda t: t + OVERRIDE, r"cell tis/q8/s1 has run.steps = 3 but cell off/q8/s0 has 2: .*arena.vary"),
+    (lambda t: t.replace("engine.logit_noise=0.5", "algorithm.group_size=2"),
+     "cell off/noise/s0 has algorithm.group_size = 2 but cell off/q8/s0 has 8"),
+    (lambda t: t.replace("baseline", 'vary = ["task.eval_size"]\nbaseline'), "arena.vary: 'task.eval_size' is not"),
+    (lambda t: t + OVERRIDE.replace("tis/*/s1", "tis/*/s7"), r"override\[0\].cells 'tis/\*/s7' matches no cell"),
     (lambda t: t.replace("note =", "nose ="), "sources.q8: unknown key 'nose'"),
 ], ids=["repeated-seed", "repeated-name", "case-collision", "double-underscore", "slash", "unknown-key",
-        "bad-value", "unknown-arena-key", "owned-key", "missing-base", "bad-baseline", "different-eval", "arm-key"])
+        "bad-value", "unknown-arena-key", "owned-key", "missing-base", "bad-baseline", "different-eval",
+        "different-steps", "different-group-size", "vary-task", "override-matches-nothing", "arm-key"])
 def test_bad_arena_files_are_refused_naming_the_problem(tmp_path, edit, match):
     with pytest.raises(ArenaError, match=match):
         load_arena(_arena(tmp_path, edit(ARENA)))
@@ -143,16 +153,12 @@ def test_the_table_holds_each_cells_numbers_and_the_seed_spread_statements(tmp_p
     assert off["final"] == pytest.approx([0.6, statistics.stdev([0.5, 0.7])])
     assert off["best"] == pytest.approx([0.65, statistics.stdev([0.6, 0.7])]) and off["diverged"] == 0
     assert agg[("tis", "noise")]["k3_median"] == pytest.approx(0.2)  # median of 0.1, 0.3, 0.1, 0.3
-    se_final = 2 * math.sqrt(statistics.variance([0.9, 0.95]) / 2 + statistics.variance([0.5, 0.7]) / 2)
-    se_best = 2 * math.sqrt(statistics.variance([0.9, 0.95]) / 2 + statistics.variance([0.6, 0.7]) / 2)
-    assert (se_final, se_best) == pytest.approx((0.2062, 0.1118), abs=1e-4)
-    assert data["statements"][0] == (f"tis vs off under q8: final +0.325 (OUTSIDE the seed spread, 2 SE = 0.206); "
-                                     "best +0.275 (OUTSIDE the seed spread, 2 SE = 0.112)")
-    assert data["statements"][1].startswith("tis vs off under noise: final +0.100 (inside the seed spread, 2 SE = ")
+    assert data["statements"][0] == ("tis vs off under q8: final +0.325: not established: 2 seeds; at least 3 "
+                                     "needed; best +0.275: not established: 2 seeds; at least 3 needed")
     md = (tmp_path / "out" / "arena.md").read_text()
     assert "| off | 0.600 ± 0.141; div 0/2; k3 2.0e-03 | 0.500 ± 0.141; div 0/2; k3 2.0e-01 |" in md
     html = (tmp_path / "out" / "arena.html").read_text()
-    assert html.count("data:image/png;base64,") == 2 and "OUTSIDE the seed spread" in html
+    assert html.count("data:image/png;base64,") == 2 and "not established: 2 seeds" in html
 
 
 def test_finished_cells_never_rerun_and_failures_are_recorded_and_classified(tmp_path):
@@ -211,14 +217,22 @@ def test_classify_and_changed_fraction():
 def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
     from nearpolicy.cli import main
 
+    override = '[[override]]\ncells = "tis/noise/*"\nset = ["algorithm.lr=3e-5"]\n'
     path = _arena(tmp_path, ARENA.replace("baseline", "step_seconds = 10.0\neval_seconds = 5.0\nstart_seconds = 20.0\n"
-                                          "baseline"))
+                                          "baseline") + override)
     assert main(["arena", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--only", "tis/*"]) == 0
     out = capsys.readouterr().out
     assert "off/q8/s0" not in out and out.count("pending") == 4
-    assert "tis/noise/s1" in out and "engine.logit_noise=0.5 correction.preset=\"tis\" correction.upper=3.0" in out
+    every = 'algorithm.lr=1e-5 engine.logit_noise=0.5 correction.preset="tis" correction.upper=3.0 algorithm.lr=3e-5'
+    assert next(line for line in out.splitlines() if line.startswith("tis/noise/s1")).endswith(every)
+    assert next(line for line in out.splitlines() if line.startswith("tis/q8/s0")).endswith(
+        'algorithm.lr=1e-5 engine.precision=\'q8_0\' correction.preset="tis" correction.upper=3.0')
     # 4 cells x (20 s start + 3 evals x 5 s + 2 steps x 10 s) = 220 s
     assert "8 training steps" in out and "estimated 3m40s" in out
+    assert "# 2 corrections x 2 sources x 2 seeds = 8 cells; 4 selected, 4 to run" in out
+    one = _arena(tmp_path, ARENA.replace('noise = { set = ["engine.logit_noise=0.5"] }', "").replace("[0, 1]", "[0]"))
+    assert main(["arena", str(one), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    assert "# 2 corrections x 1 source x 1 seed = 2 cells;" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
     assert main(["arena", str(tmp_path / "missing.toml")]) == 2
 
@@ -242,6 +256,8 @@ def test_eta_from_the_running_cells_pace_then_from_finished_cells(tmp_path):
     state.cells[spec.cells[7].id].status, state.cells[spec.cells[7].id].seconds = "done", 300.0
     assert eta_seconds(spec, state, todo, 100.0, (1, 1)) == (100.0 + 300.0 * 2, True)  # finished cells' mean
     assert eta_seconds(spec, state, todo, 0.0) == (900.0, True)
+    state.cells[spec.cells[6].id].status, state.cells[spec.cells[6].id].seconds = "diverged", 10.0  # stopped early
+    assert eta_seconds(spec, state, todo, 0.0) == (900.0, True)  # not (300 + 10) / 2 per cell
 
 
 def test_arena_help_says_what_it_does_and_what_it_does_not(capsys):
@@ -252,3 +268,78 @@ def test_arena_help_says_what_it_does_and_what_it_does_not(capsys):
     out = capsys.readouterr().out
     assert done.value.code == 0 and "--dry-run" in out and "--only CELL_GLOB" in out
     assert "Ray workers are not supported" in out and "arena-state.json" in out
+
+
+def _agg(correction: str, finals: list[float]) -> Aggregate:
+    sd = statistics.stdev(finals) if len(finals) > 1 else None
+    mean = statistics.fmean(finals)
+    return Aggregate(correction, "q8", len(finals), len(finals), (mean, sd), (mean, sd), 0, None, None, None, 0)
+
+
+def test_no_difference_is_claimed_below_three_seeds_or_from_seeds_that_happen_to_agree():
+    # 2 seeds of equal accuracy per arm: sd 0, yet no claim
+    two = spread_statements([_agg("off", [0.5, 0.5]), _agg("tis", [0.6, 0.6])], "off", 64)
+    assert two == ["tis vs off under q8: final +0.100: not established: 2 seeds; at least 3 needed; "
+                   "best +0.100: not established: 2 seeds; at least 3 needed"]
+    # 3 equal seeds per arm on 64 problems: the SE is the binomial floor sqrt(p (1 - p) / 64 / 3), not 0;
+    # Welch df = (va + vb)^2 / ((va^2 + vb^2) / 2) = 3.99 -> 3, t = 3.182
+    va, vb = 0.55 * 0.45 / 64 / 3, 0.5 * 0.5 / 64 / 3
+    bound = 3.182 * math.sqrt(va + vb)
+    assert bound == pytest.approx(0.1620, abs=1e-4)
+    equal = spread_statements([_agg("off", [0.5] * 3), _agg("tis", [0.55] * 3)], "off", 64)[0]
+    assert equal.startswith(f"tis vs off under q8: final +0.050 (inside the seed spread: 95 % bound t(0.975, df 3) "
+                            f"x SE = {bound:.3f}, Welch")
+
+
+def test_a_clearly_separated_difference_lies_outside_the_t_bound():
+    # off 0.50 +- 0.02 vs tis 0.80 +- 0.10 on 64 problems, 4 seeds each: off's sd is below its binomial floor
+    off, tis = [0.48, 0.50, 0.50, 0.52], [0.70, 0.80, 0.80, 0.90]
+    va = statistics.variance(tis) / 4  # 0.0067 / 4: above the floor 0.8 * 0.2 / 64 / 4
+    vb = 0.5 * 0.5 / 64 / 4  # off's floor: its sd 0.016 is below sqrt(0.25 / 64) = 0.0625
+    df = (va + vb) ** 2 / (va * va / 3 + vb * vb / 3)
+    assert int(df) == 5
+    bound = 2.571 * math.sqrt(va + vb)
+    said = spread_statements([_agg("off", off), _agg("tis", tis)], "off", 64)[0]
+    assert said.startswith(f"tis vs off under q8: final +0.300 (OUTSIDE the seed spread: 95 % bound t(0.975, df 5) "
+                           f"x SE = {bound:.3f}, Welch")
+
+
+class NanFinalTrain(FakeTrain):
+    """FakeTrain whose cell off/q8/s0 logs a NaN eval at its last step (step 2) after a finite one at step 1."""
+
+    def __call__(self, cfg, resume, log, progress):
+        outcome = super().__call__(cfg, resume, log, progress)
+        if cfg.run.name == "off__q8__s0":
+            path = cfg.run.output_dir / cfg.run.name / "metrics.jsonl"
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            rows[1]["eval/accuracy"], rows[2]["eval/accuracy"] = 0.1, float("nan")
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return outcome
+
+
+def test_a_nan_final_eval_is_reported_missing_never_replaced_by_an_earlier_one(tmp_path):
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    assert run_arena(spec, say=lambda _: None, train=NanFinalTrain()) == 0
+    data = json.loads((tmp_path / "out" / "arena.json").read_text())
+    cell = next(c for c in data["cells"] if c["id"] == "off/q8/s0")
+    assert (cell["initial_accuracy"], cell["final_accuracy"], cell["best_accuracy"]) == (0.5, None, 0.5)
+    assert cell["diverged"] is None and cell["notes"] == ["eval at step 2 is nan: reported as n/a"]
+    off = next(a for a in data["aggregates"] if (a["correction"], a["source"]) == ("off", "q8"))
+    assert off["n"] == 1 and off["final"] == [0.7, None]  # only s1's final
+    md = (tmp_path / "out" / "arena.md").read_text()
+    assert "| off/q8/s0 | done | 2 | 0.500 | n/a | 0.500 |" in md and "eval at step 2 is nan: reported as n/a" in md
+
+
+def test_a_collapsed_seed_is_counted_diverged_and_marks_the_means_it_is_in(tmp_path):
+    # 2 seeds of off/q8 on 64 problems: s0 collapses 0.5 -> 0.05 (2 SE of the difference = 0.13)
+    spec = load_arena(_arena(tmp_path, base=BASE.replace("eval_size = 4", "eval_size = 64")), out=tmp_path / "out")
+    FINAL["off/q8/s0"], saved = 0.05, FINAL["off/q8/s0"]
+    try:
+        assert run_arena(spec, only="off/q8/*", say=lambda _: None, train=FakeTrain()) == 0
+    finally:
+        FINAL["off/q8/s0"] = saved
+    data = json.loads((tmp_path / "out" / "arena.json").read_text())
+    off = next(a for a in data["aggregates"] if (a["correction"], a["source"]) == ("off", "q8"))
+    assert (off["n"], off["finished"], off["diverged"], off["diverged_in_mean"]) == (2, 2, 1, 1)
+    md = (tmp_path / "out" / "arena.md").read_text()
+    assert "| off | 0.375 ± 0.460 (incl. 1 diverged); div 1/2;" in md

@@ -124,5 +124,5 @@ def test_a_tiny_arena_runs_resumes_and_tabulates_its_runs_metrics(tiny_model_dir
                                     for r in rows if "reward/mean" in r)
             assert result["changed_fraction"] == pytest.approx(want)
     md = (out / "arena.md").read_text()
-    assert "| tis | noise | 1/1 |" in md and "one seed, the spread is unknown" in md
+    assert "| tis | noise | 1/1 |" in md and "not established: 1 seed; at least 3 needed" in md
     assert (out / "arena.html").read_text().count("data:image/png;base64,") == 2

@@ -22,21 +22,23 @@ COLUMNS = ("correction", "source", "seeds", "final accuracy", "best accuracy", "
 
 
 def _num(value: float | None, fmt: str = ".3f") -> str:
-    return "-" if value is None else format(value, fmt)
+    return "n/a" if value is None or value != value else format(value, fmt)
 
 
-def _mean_sd(pair: tuple[float | None, float | None]) -> str:
+def _mean_sd(pair: tuple[float | None, float | None], a: Aggregate | None = None) -> str:
+    """'mean ± sd', marked when the mean includes a diverged seed (a collapsed run's accuracy)."""
     mean, sd = pair
     if mean is None:
-        return "-"
-    return f"{mean:.3f} ± {sd:.3f}" if sd is not None else f"{mean:.3f} (1 seed)"
+        return "n/a"
+    said = f"{mean:.3f} ± {sd:.3f}" if sd is not None else f"{mean:.3f} (1 seed)"
+    return said + (f" (incl. {a.diverged_in_mean} diverged)" if a is not None and a.diverged_in_mean else "")
 
 
 def aggregate_row(a: Aggregate) -> list[str]:
     """The long table's cells for one correction x source (COLUMNS)."""
     seeds = f"{a.n}/{a.seeds}" + (f" ({a.failed} failed or not run)" if a.failed else "")
-    return [a.correction, a.source, seeds, _mean_sd(a.final), _mean_sd(a.best),
-            f"{a.diverged}/{a.n}" if a.n else "-", _num(a.k3_median, ".2e"),
+    return [a.correction, a.source, seeds, _mean_sd(a.final, a), _mean_sd(a.best, a),
+            f"{a.diverged}/{a.finished}" if a.finished else "-", _num(a.k3_median, ".2e"),
             "-" if a.changed_fraction is None else f"{100 * a.changed_fraction:.2f} %", _num(a.step_seconds, ".1f")]
 
 
@@ -53,7 +55,8 @@ def _matrix(spec: ArenaSpec, aggregates: list[Aggregate]) -> tuple[list[str], li
         row = [c.name]
         for s in spec.sources:
             a = by[(c.name, s.name)]
-            row.append(f"{_mean_sd(a.final)}; div {a.diverged}/{a.n}; k3 {_num(a.k3_median, '.1e')}" if a.n else "-")
+            row.append(f"{_mean_sd(a.final, a)}; div {a.diverged}/{a.finished}; k3 {_num(a.k3_median, '.1e')}"
+                       if a.finished else "-")
         rows.append(row)
     return header, rows
 
@@ -62,11 +65,11 @@ def _cell_rows(results: list[CellResult]) -> list[list[str]]:
     return [[r.id, r.status + (f" ({r.failure})" if r.failure else ""), str(r.steps), _num(r.initial_accuracy),
              _num(r.final_accuracy), _num(r.best_accuracy), _num(r.k3_median, ".2e"),
              "-" if r.changed_fraction is None else f"{100 * r.changed_fraction:.2f} %", _num(r.step_seconds, ".1f"),
-             (r.error or "").splitlines()[-1][:160] if r.error else ""] for r in results]
+             "; ".join(r.notes + ([r.error.splitlines()[-1][:160]] if r.error else []))] for r in results]
 
 
 CELL_COLUMNS = ["cell", "status", "steps", "step-0 acc", "final acc", "best acc", "median k3", "changed", "s/step",
-                "error"]
+                "notes / error"]
 
 
 def _arms_said(spec: ArenaSpec) -> list[str]:
@@ -146,7 +149,7 @@ def write_page(spec: ArenaSpec, state: ArenaState) -> list[str]:
     """Write OUT/arena.md, arena.json and arena.html from every cell's run so far; returns the warnings met while
     reading the runs' metrics."""
     results, aggregates, warnings = arena_results(spec, state)
-    statements = spread_statements(aggregates, spec.baseline)
+    statements = spread_statements(aggregates, spec.baseline, spec.cells[0].config.task.eval_size)
     spec.out.mkdir(parents=True, exist_ok=True)
     (spec.out / "arena.md").write_text(render_markdown(spec, state, results, aggregates, statements))
     write_json(spec.out / "arena.json", {

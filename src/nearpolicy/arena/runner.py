@@ -5,9 +5,9 @@ A cell whose run folder exists is continued through the ordinary resume path (`-
 checkpoint; a finished run is recognised as such), so an interrupted arena continues where it stopped and a done or
 diverged cell never runs again. A failed cell is recorded with its error and the arena goes on; SIGINT / SIGTERM
 stop the arena after the cell's step in progress (checkpointed), exit 130 / 143. While a cell runs, a progress line
-on stderr says which cell (i/N), its step and the arena's ETA, from the finished cells' wall times (before any has
-finished: the arena's estimates, marked "est."). Ray workers are not supported: cells run in this process, one at a
-time (each cell may still use rollout.backend = "ray" itself)."""
+on stderr says which cell (i/N), its step and the arena's ETA, from the done cells' wall times (not the diverged
+ones'; before any is done: the running cell's pace, else the arena's estimates, marked "est."). Ray workers are
+not supported: cells run in this process, one at a time (each cell may still use rollout.backend = "ray" itself)."""
 
 from __future__ import annotations
 
@@ -64,10 +64,10 @@ def eta_seconds(spec: ArenaSpec, state: ArenaState, todo: list[Cell], elapsed: f
                 running: tuple[int, int] | None = None) -> tuple[float, bool]:
     """(seconds left for the cells `todo`, measured?). `todo[0]` is the running cell, `elapsed` seconds into this
     attempt, with `running` = (steps done in this attempt, steps left) (None: nothing running, the dry run). A cell's
-    time is the mean wall time of the finished cells when any, else the running cell's pace (elapsed / steps done
-    x its steps), else the arena's estimates; the running cell's own remainder is its pace x its steps left once it
-    has done a step."""
-    finished = [r.seconds for r in state.cells.values() if r.status in FINAL and r.seconds > 0]
+    time is the mean wall time of the done cells when any (diverged ones left out: an early stop is no full cell's
+    time), else the running cell's pace (elapsed / steps done x its steps), else the arena's estimates; the running
+    cell's own remainder is its pace x its steps left once it has done a step."""
+    finished = [r.seconds for r in state.cells.values() if r.status == "done" and r.seconds > 0]
     if running is None or not todo:
         if finished:
             return sum(finished) / len(finished) * len(todo), True
@@ -218,8 +218,13 @@ def run_arena(spec: ArenaSpec, only: str | None = None, say: Callable[[str], Non
     return code
 
 
+def _count(items, noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
 def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
-    """The cells `only` selects, each with its status (from a stored state, if any) and overrides, and the
+    """The cells `only` selects, each with its status (from a stored state, if any) and every override it gets
+    (arena.set, source, correction, [[override]]s, in the order applied), and the
     estimated budget. Writes nothing. Raises ArenaError for a changed arena or an --only matching nothing."""
     chosen = spec.select(only)
     state = ArenaState.open(spec.out, spec)
@@ -227,13 +232,12 @@ def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
     steps = sum(cell_units(c)[0] for c in todo)
     samples = sum(cell_units(c)[0] * cell_units(c)[2] for c in todo)
     left, measured = eta_seconds(spec, state, todo, 0.0)
-    arms = {a.name: a for a in spec.corrections} | {f"source:{a.name}": a for a in spec.sources}
     lines = [f"# nearpolicy arena --dry-run {spec.path}: base {spec.base}, output {spec.out}; nothing was run",
-             f"# {len(spec.corrections)} corrections x {len(spec.sources)} sources x {len(spec.seeds)} seeds = "
-             f"{len(spec.cells)} cells; {len(chosen)} selected, {len(todo)} to run"]
+             f"# {_count(spec.corrections, 'correction')} x {_count(spec.sources, 'source')} x "
+             f"{_count(spec.seeds, 'seed')} = {_count(spec.cells, 'cell')}; {len(chosen)} selected, {len(todo)} to run"]
     for cell in chosen:
-        overrides = " ".join(arms[f"source:{cell.source}"].sets + arms[cell.correction].sets)
-        lines.append(f"{cell.id:<40} {state.cells[cell.id].status:<9} {overrides}")
+        lines.append(f"{cell.id:<40} {state.cells[cell.id].status:<9} {' '.join(cell.sets)}")
+    basis = "from the done cells" if measured else "arena.step_seconds, eval_seconds, start_seconds"
     lines.append(f"# budget of the cells to run: {steps} training steps, {samples} samples; estimated "
-                 f"{duration(left)} ({'from the finished cells' if measured else 'arena.step_seconds, eval_seconds, start_seconds'})")
+                 f"{duration(left)} ({basis})")
     return "\n".join(lines) + "\n"

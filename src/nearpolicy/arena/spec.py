@@ -10,6 +10,7 @@
     step_seconds = 7.0               # estimates for --dry-run before any cell has finished (seconds)
     eval_seconds = 4.0
     start_seconds = 25.0
+    vary = ["run.steps"]             # SAME_KEYS cells may differ in on purpose (default: none)
 
     [corrections]                    # the arms: a preset, --set overrides, or both
     off = { preset = "off" }
@@ -18,14 +19,15 @@
     [sources]                        # mismatch sources: --set overrides, an optional note (the dose)
     q4_1 = { set = ["engine.precision='q4_1'"], note = "k3 ~ 5e-2 at step 0" }
 
-    [[override]]                     # optional per-cell budget overrides, by cell glob (correction/source/sSEED)
+    [[override]]                     # optional per-cell overrides, by cell glob (correction/source/sSEED; must match)
     cells = "*/q4_1/*"
     set = ["run.steps=20"]
 
 A cell's config is the base file with, in this order, arena.set, the source's set, the correction's preset and set,
 the matching overrides' sets, then run.seed, run.name (the cell's folder name) and run.output_dir (OUT/cells): one
 layer of --set overrides over the file (config.load_config's rules). Arena files never set run.seed, run.name or
-run.output_dir themselves. Every cell's config is validated before anything runs; an error names the arena key."""
+run.output_dir themselves. Every cell's config is validated before anything runs; an error names the arena key.
+Cells may not differ in a task.* key or a SAME_KEYS key outside arena.vary (the budget and the held-out eval)."""
 
 from __future__ import annotations
 
@@ -46,7 +48,11 @@ NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]|_(?!_))*(?<![._-])$")
 joins the names with '__', so no two cells can share a folder)."""
 OWNED_KEYS = ("run.seed", "run.name", "run.output_dir")
 ARENA_KEYS = ("base", "seeds", "set", "out", "baseline", "keep_checkpoints", "step_seconds", "eval_seconds",
-              "start_seconds")
+              "start_seconds", "vary")
+SAME_KEYS = ("run.steps", "logging.eval_every", "logging.eval_policy", "sampling.max_new_tokens",
+             "algorithm.prompts_per_step", "algorithm.group_size")
+"""The budget and the held-out eval: every cell must agree on these (and on every task.* key) unless arena.vary
+lists the key (task.* never: the held-out set must be the same problems)."""
 TOP_KEYS = ("arena", "corrections", "sources", "override")
 
 
@@ -66,12 +72,14 @@ class Arm:
 
 @dataclass(frozen=True)
 class Cell:
-    """One run of the grid: correction x source x seed, with its validated config."""
+    """One run of the grid: correction x source x seed, with its validated config and the --set overrides that made
+    it from the base file (arena.set, the source's, the correction's, the matching overrides'; not the owned keys)."""
 
     correction: str
     source: str
     seed: int
     config: Config
+    sets: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -243,7 +251,19 @@ def load_arena(path: Path, out: Path | None = None) -> ArenaSpec:
         base_data = read_toml(base)
     except ConfigError as err:
         raise ArenaError(f"arena.base: {err}") from None
-    return replace(spec, cells=tuple(_cells(spec, base_data, common, _overrides(data.get("override", [])))))
+    cells = _cells(spec, base_data, common, _overrides(data.get("override", [])))
+    _same_eval(cells, _vary(arena.get("vary", [])))
+    return replace(spec, cells=tuple(cells))
+
+
+def _vary(value: Any) -> frozenset[str]:
+    if not (isinstance(value, list) and all(isinstance(k, str) for k in value)):
+        raise ArenaError(f"arena.vary must be a list of config keys, got {value!r}")
+    for key in value:
+        if key not in SAME_KEYS:
+            raise ArenaError(f"arena.vary: {key!r} is not a budget key cells may differ in on purpose (one of "
+                             f"{', '.join(SAME_KEYS)}; task.* never varies: every cell scores the same held-out set)")
+    return frozenset(value)
 
 
 def _config(base: dict, sets: list[str], where: str, path: Path) -> Config:
@@ -259,27 +279,47 @@ def _cells(spec: ArenaSpec, base: dict, common: tuple[str, ...], overrides) -> l
     for kind, arms in (("sources", spec.sources), ("corrections", spec.corrections)):
         for arm in arms:
             _config(base, [*common, *arm.sets], f"{kind}.{arm.name}", spec.base)
-    cells = []
+    cells, matched = [], set()
     for correction in spec.corrections:
         for source in spec.sources:
             for seed in spec.seeds:
                 draft = Cell(correction.name, source.name, seed, Config())
-                extra = [s for glob, sets in overrides if fnmatch.fnmatchcase(draft.id, glob) for s in sets]
+                mine = [(i, sets) for i, (glob, sets) in enumerate(overrides) if fnmatch.fnmatchcase(draft.id, glob)]
+                matched |= {i for i, _ in mine}
+                extra = [s for _, sets in mine for s in sets]
                 owned = [f"run.seed={seed}", f"run.name={json.dumps(draft.folder)}",
                          f"run.output_dir={json.dumps(str(spec.out / 'cells'))}"]
-                sets = [*common, *source.sets, *correction.sets, *extra, *owned]
+                sets = (*common, *source.sets, *correction.sets, *extra)
                 cells.append(Cell(correction.name, source.name, seed,
-                                  _config(base, sets, f"cell {draft.id}", spec.base)))
-    _same_eval(cells)
+                                  _config(base, [*sets, *owned], f"cell {draft.id}", spec.base), sets))
+    for i, (glob, _) in enumerate(overrides):
+        if i not in matched:
+            raise ArenaError(f"override[{i}].cells {glob!r} matches no cell; cells are named correction/source/sSEED, "
+                             f"e.g. {cells[0].id}")
     return cells
 
 
-def _same_eval(cells: list[Cell]) -> None:
-    """Every cell is scored on the same held-out problems: the [task] section may not differ between cells."""
-    first = cells[0].config.task.model_dump(mode="json")
+def _budget(cell: Cell, vary: frozenset[str]) -> dict[str, Any]:
+    config = cell.config.model_dump(mode="json")
+    keys = {f"task.{k}": v for k, v in config["task"].items()}
+    for key in SAME_KEYS:
+        if key not in vary:
+            section, name = key.split(".")
+            keys[key] = config[section][name]
+    return keys
+
+
+def _same_eval(cells: list[Cell], vary: frozenset[str]) -> None:
+    """Every cell trains on the same task with the same budget and is scored on the same held-out problems: no
+    task.* key and no SAME_KEYS key outside `vary` may differ between cells. Raises ArenaError naming the key and
+    the two cells."""
+    first = _budget(cells[0], vary)
     for cell in cells[1:]:
-        task = cell.config.task.model_dump(mode="json")
-        changed = sorted(k for k in first if first[k] != task[k])
+        mine = _budget(cell, vary)
+        changed = [k for k in first if first[k] != mine[k]]
         if changed:
-            raise ArenaError(f"cell {cell.id} changes task.{changed[0]} from cell {cells[0].id}: every cell must "
-                             "train and evaluate on the same task (set task keys in the base or arena.set)")
+            key = changed[0]
+            hint = ("set task keys in the base or arena.set" if key.startswith("task.") else
+                    f"set it in the base or arena.set, or list it in arena.vary = [\"{key}\"] to compare on purpose")
+            raise ArenaError(f"cell {cell.id} has {key} = {mine[key]!r} but cell {cells[0].id} has {first[key]!r}: "
+                             f"every cell must share the budget and the held-out eval ({hint})")

@@ -1,12 +1,13 @@
 """The arena's numbers: per cell from its run's metrics.jsonl (runs.read_metrics), then per correction x source
 over the seeds, and which differences from the baseline correction lie inside the seed spread.
 
-Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the last eval and its best; the median over
-training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over steps of the
-fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps included).
-A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its accuracy
-collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by more than twice the binomial standard
-error of the difference on the eval set)."""
+Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the cell's last step (run.steps; missing or
+non-finite there: None, shown as n/a and said in the cell's notes, never an earlier eval in its place) and its best;
+the median over training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over
+steps of the fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps
+included). A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its
+accuracy collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by more than twice the binomial
+standard error of the difference on the eval set)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class CellResult:
     changed_fraction: float | None = None
     step_seconds: float | None = None
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
     accuracy: list[tuple[int, float]] = field(default_factory=list)
     k3: list[tuple[int, float]] = field(default_factory=list)
 
@@ -78,6 +80,16 @@ def duration(seconds: float) -> str:
 
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+def _eval_at(rows: list[dict], step: int, notes: list[str]) -> float | None:
+    """eval/accuracy logged at `step` (the last such row); None, with a note, when that step has no eval or a
+    non-finite one: never an eval of another step in its place."""
+    logged = [r["eval/accuracy"] for r in rows if r.get("step") == step and "eval/accuracy" in r]
+    if logged and is_finite_number(logged[-1]):
+        return float(logged[-1])
+    notes.append(f"eval at step {step} {'is ' + str(logged[-1]) if logged else 'missing'}: reported as n/a")
+    return None
 
 
 def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
@@ -95,9 +107,10 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     train = [r for r in rows if "reward/mean" in r]
     result.accuracy, result.k3 = finite_points(rows, "eval/accuracy"), finite_points(train, "mismatch/k3")
     result.steps = max((r["step"] for r in train), default=0)
+    result.initial_accuracy = _eval_at(rows, 0, result.notes)
+    result.final_accuracy = _eval_at(rows, cell.config.run.steps, result.notes)
     if result.accuracy:
-        values = [v for _, v in result.accuracy]
-        result.initial_accuracy, result.final_accuracy, result.best_accuracy = values[0], values[-1], max(values)
+        result.best_accuracy = max(v for _, v in result.accuracy)
     if result.k3:
         result.k3_median = statistics.median(v for _, v in result.k3)
     action = cell.config.correction.spec().action
@@ -105,7 +118,7 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     result.step_seconds = _mean([v for _, v in finite_points(train, "time/step")])
     if record.status == "diverged":
         result.diverged = True
-    elif record.status == "done" and result.final_accuracy is not None:
+    elif record.status == "done" and None not in (result.initial_accuracy, result.final_accuracy):
         result.diverged = collapsed(result.initial_accuracy, result.final_accuracy, cell.config.task.eval_size)
     return result, log.warnings
 
@@ -114,7 +127,10 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
 class Aggregate:
     """One correction x source over its seeds: (mean, sample sd; sd None below 2 seeds) of the final and best
     accuracy, the diverged count, the median k3 (over every step of every seed), the mean changed fraction and
-    step time. `n` counts the seeds with an accuracy; `failed` the seeds whose cell failed or has not run."""
+    step time. `n` counts the seeds with a final accuracy (those in the means); `failed` the seeds whose cell failed
+    or has not run; `finished` the seeds done or diverged, `diverged` of them how many diverged (stopped or
+    collapsed), `diverged_in_mean` how many diverged seeds are in the means (a collapse, or a stop at the last step):
+    the page marks those means."""
 
     correction: str
     source: str
@@ -127,6 +143,8 @@ class Aggregate:
     changed_fraction: float | None
     step_seconds: float | None
     failed: int
+    finished: int = 0
+    diverged_in_mean: int = 0
 
 
 def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
@@ -137,50 +155,89 @@ def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
 
 def aggregate(results: list[CellResult], correction: str, source: str) -> Aggregate:
     mine = [r for r in results if r.correction == correction and r.source == source]
-    scored = [r for r in mine if r.final_accuracy is not None and r.status in ("done", "diverged")]
+    finished = [r for r in mine if r.status in ("done", "diverged")]
+    scored = [r for r in finished if r.final_accuracy is not None]
     k3 = [v for r in scored for _, v in r.k3]
     return Aggregate(correction, source, len(mine), len(scored), _mean_sd([r.final_accuracy for r in scored]),
-                     _mean_sd([r.best_accuracy for r in scored]), sum(bool(r.diverged) for r in scored),
+                     _mean_sd([r.best_accuracy for r in scored]), sum(bool(r.diverged) for r in finished),
                      statistics.median(k3) if k3 else None,
                      _mean([r.changed_fraction for r in scored if r.changed_fraction is not None]),
                      _mean([r.step_seconds for r in scored if r.step_seconds is not None]),
-                     sum(r.status not in ("done", "diverged") for r in mine))
+                     sum(r.status not in ("done", "diverged") for r in mine), len(finished),
+                     sum(bool(r.diverged) for r in scored))
 
 
-def compare(a: Aggregate, base: Aggregate, which: str = "final") -> tuple[float, float | None] | None:
-    """(difference of means a - base, twice its standard error sqrt(sd_a^2 / n_a + sd_b^2 / n_b)) of the `which`
-    accuracy; the error is None below 2 seeds on either side; None when either has no accuracy."""
+MIN_SEEDS = 3  # seeds per arm below which no difference is claimed
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""t_{0.975, df} for df = 1..30 (Student's t, two-sided 95 %; the standard table, e.g. NIST/SEMATECH e-Handbook of
+Statistical Methods, sec. 1.3.6.7.2). Above 30 degrees of freedom the df = 30 value is used (conservative)."""
+
+
+def t975(df: float) -> float:
+    """t_{0.975, df} from T975, df rounded down (fewer degrees of freedom: a wider bound), clamped to [1, 30]."""
+    return T975[min(max(int(df), 1), len(T975)) - 1]
+
+
+def arm_se(mean: float, sd: float, n: int, eval_size: int) -> float:
+    """Standard error of an arm's mean accuracy over n seeds: sd / sqrt(n), floored at the eval set's binomial
+    noise sqrt(p (1 - p) / eval_size) / sqrt(n), p the mean clamped to [1 / eval_size, 1 - 1 / eval_size], so seeds
+    that happen to agree on a coarse eval set never give a zero spread."""
+    p = min(max(mean, 1 / eval_size), 1 - 1 / eval_size) if eval_size > 1 else 0.5
+    return max(sd, math.sqrt(p * (1 - p) / max(eval_size, 1))) / math.sqrt(n)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """a - base of the mean `which` accuracy; `bound` the 95 % half-width t_{0.975, df} x SE (Welch: SE =
+    sqrt(se_a^2 + se_b^2) with arm_se's floored errors, df by Welch-Satterthwaite); bound and df None when either arm
+    has fewer than MIN_SEEDS seeds."""
+
+    difference: float
+    seeds: int
+    bound: float | None = None
+    df: float | None = None
+
+
+def compare(a: Aggregate, base: Aggregate, eval_size: int, which: str = "final") -> Comparison | None:
+    """The Comparison of the `which` accuracy of a against base; None when either has no accuracy."""
     (ma, sa), (mb, sb) = getattr(a, which), getattr(base, which)
     if ma is None or mb is None:
         return None
-    if sa is None or sb is None:
-        return ma - mb, None
-    return ma - mb, 2 * math.sqrt(sa * sa / a.n + sb * sb / base.n)
+    seeds = min(a.n, base.n)
+    if seeds < MIN_SEEDS:
+        return Comparison(ma - mb, seeds)
+    va, vb = arm_se(ma, sa or 0.0, a.n, eval_size) ** 2, arm_se(mb, sb or 0.0, base.n, eval_size) ** 2
+    df = (va + vb) ** 2 / (va * va / (a.n - 1) + vb * vb / (base.n - 1))
+    return Comparison(ma - mb, seeds, t975(df) * math.sqrt(va + vb), df)
 
 
-def spread_statements(aggregates: list[Aggregate], baseline: str) -> list[str]:
+def _said(which: str, got: Comparison | None) -> str:
+    if got is None:
+        return f"{which} accuracy: not available (a cell has no result)"
+    if got.bound is None:
+        return (f"{which} {got.difference:+.3f}: not established: {got.seeds} seed{'' if got.seeds == 1 else 's'}; "
+                f"at least {MIN_SEEDS} needed")
+    inside = abs(got.difference) <= got.bound
+    return (f"{which} {got.difference:+.3f} ({'inside' if inside else 'OUTSIDE'} the seed spread: 95 % bound "
+            f"t(0.975, df {int(got.df)}) x SE = {got.bound:.3f}, Welch, SE floored at the eval set's binomial noise)")
+
+
+def spread_statements(aggregates: list[Aggregate], baseline: str, eval_size: int) -> list[str]:
     """One plain sentence per correction x source against the baseline correction under the same source: the
-    final and best accuracy differences and whether each lies inside the seed spread (|difference| <= 2 standard
-    errors) or outside it."""
+    final and best accuracy differences and whether each lies inside the seed spread (|difference| <= the 95 %
+    Welch bound of compare) or outside it; no claim with fewer than MIN_SEEDS seeds on either side."""
     lines = []
     for agg in aggregates:
         base = next((b for b in aggregates if b.correction == baseline and b.source == agg.source), None)
         if agg.correction == baseline or base is None:
             continue
-        parts = []
-        for which in ("final", "best"):
-            got = compare(agg, base, which)
-            if got is None:
-                parts.append(f"{which} accuracy: not available (a cell has no result)")
-            elif got[1] is None:
-                parts.append(f"{which} {got[0]:+.3f}: one seed, the spread is unknown, so no difference can be claimed")
-            else:
-                inside = abs(got[0]) <= got[1]
-                parts.append(f"{which} {got[0]:+.3f} ({'inside' if inside else 'OUTSIDE'} the seed spread, "
-                             f"2 SE = {got[1]:.3f})")
+        parts = [_said(which, compare(agg, base, eval_size, which)) for which in ("final", "best")]
         lines.append(f"{agg.correction} vs {baseline} under {agg.source}: " + "; ".join(parts)
-                     + (f"; diverged {agg.diverged}/{agg.n} vs {base.diverged}/{base.n}"
-                        if agg.diverged or base.diverged else ""))
+                     + (f"; diverged {agg.diverged}/{agg.finished} vs {base.diverged}/{base.finished}"
+                        if agg.diverged or base.diverged else "")
+                     + "".join(f"; {a.correction}'s means include {a.diverged_in_mean} diverged seed(s)"
+                               for a in (agg, base) if a.diverged_in_mean))
     return lines
 
 
