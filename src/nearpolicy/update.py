@@ -54,8 +54,10 @@ class UpdateSettings:
 @dataclass
 class UpdateResult:
     """What `policy_update` returns. metrics: step metrics as floats; old_logprobs [B, T] float32: the trainer at
-    the sampling weights; logprobs [B, T] float32, detached: the trainer when each row's mini-batch was trained
-    (equal to old_logprobs on the first mini-batch, invariant 8); entropy [B, T] or None when not fused."""
+    the sampling weights; logprobs [B, T] float32, detached: the trainer when each row's mini-batch was last trained
+    (with one epoch equal to old_logprobs on the first mini-batch, invariant 8; with epochs > 1 the last epoch's, so
+    the policy-lag part of the mismatch decomposition includes the earlier epochs' updates); entropy [B, T] or None
+    when not fused."""
 
     metrics: dict[str, float]
     old_logprobs: torch.Tensor
