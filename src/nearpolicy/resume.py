@@ -140,7 +140,8 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
         return _resume_check(run_dir, cfg, data, checkpoints)
     if checkpoints:
         raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
-                             f"with --resume (nearpolicy train --resume {run_dir}) or set a new run.name")
+                             f"with --resume (nearpolicy train --resume {run_dir}; for the main job `make train "
+                             f"ARGS=--resume`) or set a new run.name")
     try:
         logged = _last_logged_step(run_dir)
     except RunFolderError as err:
