@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import platform
-import statistics
+import sys
 import time
 from pathlib import Path
 
+from nearpolicy.doctor import cpu_model
 from nearpolicy.engines.llamacpp import LlamaCppEngine
 from nearpolicy.models import default_model_gguf
 from nearpolicy.types import GenerationRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout_throughput import measure  # noqa: E402  (one warm-up, then the timed generate calls)
 
 SETTINGS = {"2 threads": (2, False), "1 thread": (1, False), "adaptive (2)": (2, True)}
 
@@ -28,17 +31,6 @@ def _spin(seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         pass
-
-
-def rate(engine: LlamaCppEngine, requests, sampling: SamplingParams, repeats: int) -> tuple[float, list[int]]:
-    engine.generate(requests[:1], SamplingParams(1.0, 1.0, 0, 4), seed=0)  # warm-up
-    rates, used = [], []
-    for rep in range(repeats):
-        t0 = time.perf_counter()
-        out = engine.generate(requests, sampling, seed=rep)
-        rates.append(sum(len(r.completion_ids) for r in out) / (time.perf_counter() - t0))
-        used.append(engine.threads_used)
-    return statistics.median(rates), used
 
 
 def main() -> None:
@@ -62,7 +54,8 @@ def main() -> None:
                 engine = LlamaCppEngine(default_model_gguf(), max_context=128, max_parallel_sequences=8 * args.prompts,
                                         threads=threads, adaptive_threads=adaptive)
                 try:
-                    tps, used = rate(engine, requests, sampling, args.repeats)
+                    tps = measure(engine, requests, sampling, args.repeats)["tokens_per_s_median"]
+                    used = engine.threads_used  # the last timed call's
                 finally:
                     engine.close()
                 rows.append({"load": load, "setting": name, "tokens_per_s": tps, "threads_used": used})
@@ -71,7 +64,7 @@ def main() -> None:
             if spinner is not None:
                 spinner.kill()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu": platform.processor() or platform.machine(), "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"cpu": cpu_model(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -172,8 +172,9 @@ class Harness:
         import transformers
         from importlib.metadata import version
 
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), platform.processor())
+        from nearpolicy.doctor import cpu_model
+
+        cpu = cpu_model()
         mem = next((int(line.split()[1]) / 2**20 for line in Path("/proc/meminfo").read_text().splitlines()
                     if line.startswith("MemTotal")), 0.0)
         return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "python": platform.python_version(),

@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import measure  # noqa: E402
 
+from nearpolicy.doctor import cpu_model  # noqa: E402
+
 CONFIGS = ("llamacpp:f32", "llamacpp:q8_0", "hf:fp32", "vllm:fp32", "vllm:bf16")
 
 
@@ -87,7 +89,7 @@ def main() -> None:
                 engine.close()
         print(f"{config}: {results[config]['tokens_per_s_median']:.1f} tokens/s", flush=True)
     meta = {"prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "threads": args.threads,
-            "repeats": args.repeats, "machine": platform.machine(), "processor": _cpu_name(), "torch": torch.__version__}
+            "repeats": args.repeats, "machine": platform.machine(), "processor": cpu_model(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": meta, "results": results}, indent=2) + "\n")
     table = markdown(meta, results)
@@ -111,13 +113,6 @@ def markdown(meta: dict, results: dict) -> str:
         lines.append(f"| {name} | {statistics.median(r['tokens_per_s_all']):.1f} | {runs} | {tokens} | "
                      f"{r['start_s']:.1f} |")
     return "\n".join(lines) + "\n"
-
-
-def _cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

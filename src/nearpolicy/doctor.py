@@ -40,6 +40,14 @@ def cpu_facts(cpuinfo: str) -> tuple[str, set[str]]:
     return model or platform.processor() or "unknown", flags or set()
 
 
+def cpu_model(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (cpu_facts of /proc/cpuinfo; platform.processor() where that file is unreadable)."""
+    try:
+        return cpu_facts(Path(path).read_text())[0]
+    except OSError:
+        return platform.processor() or "unknown"
+
+
 def gemm_gflops(dtype, n: int = 512, seconds: float = 0.5) -> float:
     """Sustained n x n x n matmul throughput of torch in `dtype` (GFLOP/s, 2 n^3 flops per product)."""
     import torch
