@@ -111,10 +111,20 @@ def test_mcp_tools_answer_and_bad_calls_are_error_observations():
         client.close()
 
 
-def test_a_server_that_dies_or_hangs_mid_episode_gives_an_error_observation_then_a_new_server(tmp_path):
+@pytest.fixture
+def crashy_client(tmp_path):
+    """A ToolClient on the CRASHY server (2 s call timeout), closed after the test."""
     script = tmp_path / "crashy.py"
     script.write_text(CRASHY)
     client = ToolClient((sys.executable, str(script)), call_timeout_s=2)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def test_a_server_that_dies_or_hangs_mid_episode_gives_an_error_observation_then_a_new_server(crashy_client):
+    client = crashy_client
     try:
         assert client.call("echo", {"text": "one"}).text == "one"
         died = client.call("crash", {})
@@ -132,23 +142,18 @@ def test_a_server_that_dies_or_hangs_mid_episode_gives_an_error_observation_then
         client.call("echo", {"text": "after"})
 
 
-def test_a_call_queued_behind_a_hung_one_runs_on_the_next_server(tmp_path):
+def test_a_call_queued_behind_a_hung_one_runs_on_the_next_server(crashy_client):
     from concurrent.futures import ThreadPoolExecutor
 
-    script = tmp_path / "crashy.py"
-    script.write_text(CRASHY)
-    client = ToolClient((sys.executable, str(script)), call_timeout_s=2)
-    try:
-        assert client.call("echo", {"text": "warm"}).text == "warm"
-        with ThreadPoolExecutor(2) as pool:
-            hung = pool.submit(client.call, "hang", {})
-            time.sleep(0.5)  # the echo queues behind the hung call
-            echoed = pool.submit(client.call, "echo", {"text": "queued"})
-            assert hung.result().error == "timeout"
-            assert echoed.result() == Observation("queued")
-        assert dict(client.errors) == {"timeout": 1}
-    finally:
-        client.close()
+    client = crashy_client
+    assert client.call("echo", {"text": "warm"}).text == "warm"
+    with ThreadPoolExecutor(2) as pool:
+        hung = pool.submit(client.call, "hang", {})
+        time.sleep(0.5)  # the echo queues behind the hung call
+        echoed = pool.submit(client.call, "echo", {"text": "queued"})
+        assert hung.result().error == "timeout"
+        assert echoed.result() == Observation("queued")
+    assert dict(client.errors) == {"timeout": 1}
 
 
 def test_a_server_that_cannot_start_is_an_error_observation():
