@@ -203,8 +203,10 @@ def test_self_normalised_is_loss_does_not_depend_on_the_micro_batch_size(model_a
     assert abs(m1["correction/sn_factor"] - 1) > 0.05
     assert m1["actor/loss"] == pytest.approx(m6["actor/loss"], rel=1e-5)
     assert m1["correction/weight_mean"] == pytest.approx(1.0, rel=1e-5)  # mean weight over defined tokens is 1
+    # per parameter, relative to its norm: float32 rounding of the different GEMM shapes is about 4e-7 (measured);
+    # a micro-batch-dependent normalisation would be off by the batch fraction (> 1e-1)
     for name in g1:
-        assert torch.allclose(g1[name], g6[name], rtol=1e-4, atol=1e-7), name
+        assert float((g1[name] - g6[name]).norm()) <= 1e-5 * float(g6[name].norm()), name
 
 
 def test_config_rejects_a_non_old_proximal_in_bypass_mode_and_a_decay_of_one():

@@ -88,13 +88,32 @@ def test_logprobs_entropy_and_every_gradient_equal_the_padded_path(model, case, 
     padded, shared = _both(_rollouts(groups, shuffle=shuffle))
     lp_p, ent_p, grads_p = _forward_backward(model, padded)
     lp_s, ent_s, grads_s = _forward_backward(model, shared)
-    # every position, padding included: both paths put the prompt's last position's distribution there
+    # every position, padding included (0 on both paths)
     assert torch.allclose(lp_s, lp_p, rtol=0, atol=LOGPROB_ATOL)
     assert torch.allclose(ent_s, ent_p, rtol=0, atol=LOGPROB_ATOL)
     _assert_grads_equal(grads_p, grads_s)
     # the prompt's token embeddings get their gradient only through the shared prefix: it must not be cut
     prompt_ids = torch.unique(torch.cat([shared.input_ids[i, : int(n)] for i, n in enumerate(shared.prompt_lengths)]))
     assert grads_s["model.embed_tokens.weight"][prompt_ids].abs().sum(1).min() > 0
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_the_lm_head_runs_only_at_completion_positions_and_equals_the_full_logits(model, shared_prompt):
+    """The LM head sees only the positions that predict a completion token: there the log-probs equal those of the
+    model's full [B, L, V] logits; padding of shorter completions holds 0."""
+    rollouts = _rollouts([(6, [5, 0, 9, 1]), (4, [3, 7])])
+    batch = collate(rollouts, PAD, VOCAB, shared_prompt=shared_prompt)
+    logprobs, entropy = sequence_logprobs(model, batch, SAMPLING)
+    with torch.no_grad():
+        full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    reference = torch.log_softmax(torch.gather(full, 1, batch.logit_positions.unsqueeze(-1).expand(-1, -1, VOCAB))
+                                  / SAMPLING.temperature, dim=-1)
+    expected = torch.gather(reference, -1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    expected_entropy = -(reference.exp() * reference).sum(-1)
+    assert int(batch.mask.sum()) == 25 and int((~batch.mask).sum()) > 0
+    assert torch.allclose(logprobs[batch.mask], expected[batch.mask], rtol=0, atol=LOGPROB_ATOL)
+    assert torch.allclose(entropy[batch.mask], expected_entropy[batch.mask], rtol=0, atol=LOGPROB_ATOL)
+    assert float(logprobs[~batch.mask].abs().max()) == 0.0 and float(entropy[~batch.mask].abs().max()) == 0.0
 
 
 def test_completions_are_packed_when_that_is_cheaper():

@@ -24,16 +24,24 @@ from nearpolicy.types import SamplingParams
 def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParams,
                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, T] (nats, grad if enabled) of the completion ids under the sampling transform, and the
-    entropy [B, T] of that distribution (detached unless `entropy_grad`). Padding positions hold finite junk (the
-    same on both paths: the logits at the prompt's last position): mask them. Runs the shared-prompt path when batch.prompt_group is
+    entropy [B, T] of that distribution (detached unless `entropy_grad`). Padding positions hold 0 (no logits are
+    computed there): mask them. Runs the shared-prompt path when batch.prompt_group is
     set (module docstring), else the padded path; that needs a transformers decoder whose base model takes `cache`,
     `position_ids` and a 4-D additive attention mask (sdpa or eager attention)."""
     hidden = _padded_hidden(model, batch) if batch.prompt_group is None else _shared_hidden(model, batch)
-    # The LM head runs only where a completion token is predicted: prompt positions need no logits.
-    picked = model.get_output_embeddings()(hidden).float()  # [B, T, V]
-    return token_logprobs_and_entropy(
-        picked, batch.completion_ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
+    # The LM head and the log-softmax over the vocabulary run only where a completion token is predicted: not at
+    # prompt positions, not at the padding of shorter completions.
+    valid = torch.arange(batch.completion_ids.shape[1]) < batch.completion_lengths[:, None]  # [B, T]
+    logits = model.get_output_embeddings()(hidden[valid]).float()  # [n, V]
+    picked, entropy = token_logprobs_and_entropy(
+        logits, batch.completion_ids[valid], sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
     )
+    return _scatter(picked, valid), _scatter(entropy, valid)
+
+
+def _scatter(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """values [n] at the True positions of valid [B, T], 0 elsewhere (differentiable)."""
+    return torch.zeros(valid.shape, dtype=values.dtype).masked_scatter(valid, values)
 
 
 def _padded_hidden(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
