@@ -100,7 +100,7 @@ def test_engine_weight_is_the_gguf_files_dequantized_tensor(precision, tiny_mode
 
 
 # Measured on the tiny llama (random weights, initializer_range 0.2: logits of std 1.6, 60 teacher-forced tokens),
-# mean / max |engine - trainer| log-prob, nats, plain -> aligned: f16 0.0024 / 0.0076 -> 0.00056 / 0.0029,
+# mean / max |engine - trainer| log-prob, nats, plain -> aligned: f16 0.0024 / 0.0076 -> 0.00043 / 0.0015,
 # q8_0 0.057 / 0.16 -> 0.0065 / 0.046, q4_1 0.55 / 1.8 -> 0.0125 / 0.043, mxfp4 0.87 / 2.9 -> 0.043 / 0.14.
 # The remainder is rounding flips (docs/aligned.md): float noise of about 1e-6 relative before a rounding point
 # moves values across rounding boundaries. Bounds: about 2x the measured aligned error; and aligned at least 4x
@@ -226,6 +226,14 @@ def test_alignment_off_and_removed_change_nothing(tiny_model_dir) -> None:
     assert torch.equal(after, before)
     assert list(model.state_dict()) == keys and model.config._attn_implementation == attention
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_config_refuses_alignment_without_a_llamacpp_engine() -> None:
+    from nearpolicy.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="precision_alignment"):
+        load_config(None, ["algorithm.precision_alignment=engine", "engine.flash_attention=true"])
+    assert load_config(None, ["algorithm.precision_alignment=engine"]).algorithm.precision_alignment == "engine"
 
 
 def test_module_precisions_follow_the_exporters_map(tiny_model_dir) -> None:
