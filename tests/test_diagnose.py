@@ -46,6 +46,8 @@ def test_f32_admitted_near_zero_and_perturbed_engine_rejected(tiny_model_dir, tm
     assert f32["k3"] < 1e-9 and f32["abs_logprob_diff_max"] < 5e-5 and f32["ess"] > 0.999999 and f32["admitted"]
     assert report["budget"]["k3"] == pytest.approx(math.log(2) / 16)  # default rule at 8 new tokens
     assert noisy["k3"] > report["budget"]["k3"] and not noisy["admitted"]
+    # the aligned column: nothing to align at f32 with an f32 KV cache; the f16-weight trainer stays far off the noise
+    assert f32["aligned_k3"] == pytest.approx(f32["k3"], abs=1e-9) and noisy["aligned_k3"] > report["budget"]["k3"]
     assert code == 1 and not report["all_admitted"]
     assert report["floor"]["k3"] < 1e-9
     rows = (tmp_path / "diag" / "diagnose.csv").read_text().splitlines()

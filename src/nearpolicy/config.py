@@ -214,6 +214,12 @@ class AlgorithmConfig(Section):
     shared_prompt: bool = True
     """Run each group's prompt once per micro-batch, its completions attending to it (exact, policy.py; DualKV);
     off: every sequence runs prompt + completion, padded to the micro-batch's longest."""
+    precision_alignment: Literal["off", "engine"] = "off"
+    """engine: the trainer's forward computes what the llama.cpp engine computes (aligned.py; docs/aligned.md):
+    each linear layer on the engine's dequantized weight (engine.precision, engine.tensor_precision) and on
+    activations rounded as llama.cpp rounds them for that weight type, the embedding lookup on the dequantized
+    table, Q / K / V / attention probabilities rounded to f16 with engine.kv_cache = "f16"; gradients reach the
+    fp32 weights straight through. llamacpp engine without flash attention only. off: the plain fp32 forward."""
     lr: float = Field(2e-5, gt=0, le=1)
     """AdamW peak learning rate (0 < lr <= 1); algorithm.lr_schedule shapes it over the run."""
     lr_schedule: Literal[LR_SCHEDULES] = "constant"

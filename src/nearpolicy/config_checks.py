@@ -101,6 +101,9 @@ def check_sections_agree(cfg) -> None:
     if a.warmup_steps and a.warmup_steps >= cfg.run.steps:
         raise ValueError(f"algorithm.warmup_steps ({a.warmup_steps}) must be below run.steps ({cfg.run.steps}): the "
                          "learning rate would never reach algorithm.lr")
+    if a.precision_alignment == "engine" and (e.kind != "llamacpp" or e.flash_attention):
+        raise ValueError("algorithm.precision_alignment = 'engine' emulates llama.cpp without flash attention: set "
+                         "engine.kind = 'llamacpp' and engine.flash_attention = false, or precision_alignment = 'off'")
     if a.group_size > e.max_parallel_sequences:
         raise ValueError(f"algorithm.group_size ({a.group_size}) exceeds engine.max_parallel_sequences "
                          f"({e.max_parallel_sequences}): a group is decoded in one batch")

@@ -82,6 +82,13 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     model, tokenizer = load_policy(cfg.model.path)
     model.float()
     a = cfg.algorithm
+    if a.precision_alignment == "engine":
+        from nearpolicy.aligned import align_model
+
+        e = cfg.engine
+        aligned = align_model(model, e.precision, tuple(e.tensor_precision.items()), e.kv_cache)
+        log(f"precision alignment: the trainer's forward emulates the {_engine_precision(e)} engine "
+            f"({sum(p != 'f32' for p in aligned.precisions.values())} quantized modules, {e.kv_cache} KV cache)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
     template = resolved.path if resolved.kind == "gguf" else None
     engine_dir = run_dir / "engine"

@@ -119,7 +119,28 @@ def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samp
         engine.close()
     trainer = recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
     defined = batch.mask & batch.has_rollout
-    return summarise(candidate, trainer, batch.rollout_logprobs, defined, ctx.position_bucket, seconds)
+    result = summarise(candidate, trainer, batch.rollout_logprobs, defined, ctx.position_bucket, seconds)
+    aligned = aligned_logprobs(ctx, candidate, batch, sampling)
+    if aligned is not None:
+        m = mismatch_metrics(aligned, batch.rollout_logprobs, defined)
+        q = logprob_diff_quantiles(aligned, batch.rollout_logprobs, defined)
+        result.metrics |= {"aligned_k3": float(m["k3"]), "aligned_k1": float(m["k1"]),
+                           "aligned_k3_se": float(k3_standard_error(aligned, batch.rollout_logprobs, defined)),
+                           "aligned_abs_logprob_diff_p99": float(q["p99"]),
+                           "aligned_abs_logprob_diff_max": float(q["max"])}
+    return result
+
+
+def aligned_logprobs(ctx: DiagnoseContext, candidate: RolloutCandidate, batch, sampling: SamplingParams):
+    """The precision-aligned trainer's log-probs [B, T] (float32, no grad) of the batch's tokens against a llama.cpp
+    candidate (aligned.py: its weight types, activation rounding and KV cache), or None where alignment does not
+    apply (other engines, weights_only, flash attention). ctx.model is restored afterwards."""
+    if candidate.engine != "llamacpp" or candidate.weights_only or candidate.flash_attention:
+        return None
+    from nearpolicy.aligned import align_model
+
+    with align_model(ctx.model, candidate.precision, candidate.tensor_precision, candidate.kv_cache):
+        return recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
 
 
 def summarise(candidate: RolloutCandidate, trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

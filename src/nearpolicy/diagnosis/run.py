@@ -172,7 +172,7 @@ def _report(cfg, settings, ctx, floor_result, results, verdicts, budget, scans, 
     }
 
 
-COLUMNS = ("candidate", "weights", "k1", "k3", "k3_se", "chi2", "ess", "seq_ess", "abs_logprob_diff_p50", "abs_logprob_diff_p90",
+COLUMNS = ("candidate", "weights", "k1", "k3", "k3_se", "aligned_k3", "aligned_k3_se", "chi2", "ess", "seq_ess", "abs_logprob_diff_p50", "abs_logprob_diff_p90",
            "abs_logprob_diff_p99", "abs_logprob_diff_max", "frac_ratio_outside_0.5_2", "prob_corr", "tokens",
            "mean_response_tokens", "tokens_per_s")
 
@@ -203,14 +203,15 @@ def markdown_table(report: dict) -> str:
     budget's terms, then the proposed recipes (what the command prints on stdout)."""
     b = report["budget"]
     lines = [f"budget: {b['rule']} (noise floor k3 {b['floor_k3']:.3g})", "",
-             "| candidate | weights | k3 (± s.e.) | k1 | chi2 | ESS | seq ESS | p99 abs dlogp | max abs dlogp | outside [0.5,2] | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| candidate | weights | k3 (± s.e.) | aligned k3 | k1 | chi2 | ESS | seq ESS | p99 abs dlogp | max abs dlogp | "
+             "outside [0.5,2] | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [report["floor"] | {"admitted": None}] + report["candidates"]
     for r in rows:
         verdict = "floor" if r["admitted"] is None else ("admitted" if r["admitted"] else "REJECTED")
         if r["admitted"] is not None and abs(r["k3"] - b["k3"]) < 2 * r["k3_se"]:
             verdict += " (borderline: within 2 s.e. of the budget; sample more with --prompts)"
-        lines.append(f"| {r['candidate']} | {r['weights']} | {r['k3']:.3g} ± {r['k3_se']:.1g} | {r['k1']:.3g} | {r['chi2']:.3g} | "
+        aligned = f"{r['aligned_k3']:.3g} ± {r['aligned_k3_se']:.1g}" if "aligned_k3" in r else "-"
+        lines.append(f"| {r['candidate']} | {r['weights']} | {r['k3']:.3g} ± {r['k3_se']:.1g} | {aligned} | {r['k1']:.3g} | {r['chi2']:.3g} | "
                      f"{r['ess']:.4f} | {r['seq_ess']:.3f} | {r['abs_logprob_diff_p99']:.3g} | "
                      f"{r['abs_logprob_diff_max']:.3g} | {r['frac_ratio_outside_0.5_2']:.2%} | {verdict} |")
     budget = Budget(**b)
