@@ -6,7 +6,7 @@ of a float32 summation-order difference): when that movement is as large as the 
 
     PYTHONPATH=src .venv/bin/python bench/aligned_flips.py q8_0:f32 q4_1:f32 --out /tmp/aligned-flips
 
-A spec is PRECISION[+SELECTOR=PRECISION...]:KV_CACHE, e.g. f32+output=q8_0:f32 (only the LM head at q8_0).
+A spec is PRECISION[+SELECTOR=PRECISION...]:KV_CACHE, e.g. f32+embeddings=q8_0:f32 (only the tied embeddings / LM head at q8_0).
 One thread; the GGUFs go to --out."""
 
 from __future__ import annotations
