@@ -46,11 +46,14 @@ class MalformedCall:
 def parse_tool_call(text: str) -> ToolCall | MalformedCall | None:
     """The first call in a turn's text: a ToolCall, a MalformedCall (the tag is there, its content is not JSON of
     {"name": str, "arguments": object}, or a one-element list of that), or None (no `<tool_call>` tag: the turn is
-    an answer). A missing closing tag at the end of the text is accepted (a turn cut by its token limit)."""
+    an answer). A missing closing tag at the end of the text, or one cut short ("...}}</tool"), is accepted (a turn
+    cut by its token limit)."""
     match = _CALL.search(text)
     if match is None:
         return None
     body = match.group(1).strip()
+    if not match.group(0).endswith(CLOSE):  # a turn cut inside its closing tag: drop the part of the tag written
+        body = next((body[: -k] for k in range(len(CLOSE) - 1, 0, -1) if body.endswith(CLOSE[:k])), body).rstrip()
     try:
         value = json.loads(body)
     except (json.JSONDecodeError, RecursionError):
