@@ -6,7 +6,13 @@ len(prompt_i) + t and is predicted by the logits at position len(prompt_i) + t -
 
 `prompt_group` [B] names the rows whose prompt ids are identical (a GRPO group's): policy.sequence_logprobs then
 runs each such prompt once and lets the group's completions attend to it (the shared-prompt path); `forward_tokens`
-counts the tokens either path computes."""
+counts the tokens either path computes.
+
+Multi-turn episodes (rollouts/episodes.py): a completion holds the model's turns and the environment's inserted
+tokens (tool results and their template framing, Rollout.model_mask False) in order. They all sit in input_ids
+and attention_mask, so the model's later turns attend to them and both paths stay exact; `mask` holds only the
+model's tokens (the policy loss, its denominators and every mismatch metric read it), `observation_mask` only the
+inserted ones, `turn_index` the turn of each token."""
 
 from __future__ import annotations
 
@@ -24,11 +30,13 @@ class TokenBatch:
     attention_mask: torch.Tensor  # [B, L] int64
     logit_positions: torch.Tensor  # [B, T] int64: position whose logits predict completion token t
     completion_ids: torch.Tensor  # [B, T] int64 (pad_id at padding)
-    mask: torch.Tensor  # [B, T] bool: valid response token (within the generated length)
+    mask: torch.Tensor  # [B, T] bool: valid response token (within the generated length) sampled by the model
     rollout_logprobs: torch.Tensor  # [B, T] float32, NaN where missing or padding
     has_rollout: torch.Tensor  # [B, T] bool: the engine reported a log-prob for this token
     versions: torch.Tensor  # [B, T] int64, -1 at padding
     prompt_group: torch.Tensor | None = None  # [B] int64: equal = identical prompt ids; None = no prompt sharing
+    observation_mask: torch.Tensor | None = None  # [B, T] bool: valid token inserted by the environment (collate sets it)
+    turn_index: torch.Tensor | None = None  # [B, T] int64: turn of each token, 0 for one turn, -1 at padding
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -50,8 +58,9 @@ class TokenBatch:
 
 def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int, shared_prompt: bool = True) -> TokenBatch:
     """Build a TokenBatch; with `shared_prompt`, its prompt_group numbers the distinct prompts in order of first
-    appearance (else None: every row runs its own prompt). Raises ValueError for token ids outside
-    [0, vocab_size) or an empty list of rollouts."""
+    appearance (else None: every row runs its own prompt). mask / observation_mask split each completion by
+    Rollout.model_mask (None: all the model's). Raises ValueError for token ids outside [0, vocab_size) or an
+    empty list of rollouts."""
     if not rollouts:
         raise ValueError("cannot collate an empty list of rollouts")
     lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
@@ -65,6 +74,8 @@ def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int, shared_prompt
     rollout_lp = torch.full((B, T), math.nan, dtype=torch.float32)
     has_rollout = torch.zeros((B, T), dtype=torch.bool)
     versions = torch.full((B, T), -1, dtype=torch.long)
+    observation = torch.zeros((B, T), dtype=torch.bool)
+    turns = torch.full((B, T), -1, dtype=torch.long)
     for i, r in enumerate(rollouts):
         ids = list(r.prompt_ids) + list(r.completion_ids)
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -77,16 +88,19 @@ def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int, shared_prompt
         positions[i, n:] = n_prompt - 1  # any in-range position; masked out
         if n:
             completion[i, :n] = torch.tensor(r.completion_ids)
-            mask[i, :n] = True
+            own = torch.ones(n, dtype=torch.bool) if r.model_mask is None else torch.tensor(r.model_mask, dtype=torch.bool)
+            mask[i, :n], observation[i, :n] = own, ~own
+            turns[i, :n] = 0 if r.turn_index is None else torch.tensor(r.turn_index)
             known = [lp is not None and math.isfinite(lp) for lp in r.rollout_logprobs]
             rollout_lp[i, :n] = torch.tensor([lp if ok else math.nan for lp, ok in zip(r.rollout_logprobs, known)])
-            has_rollout[i, :n] = torch.tensor(known)
+            has_rollout[i, :n] = torch.tensor(known) & own
             versions[i, :n] = torch.tensor(r.versions)
     group = None
     if shared_prompt:
         index: dict[tuple[int, ...], int] = {}
         group = torch.tensor([index.setdefault(tuple(r.prompt_ids), len(index)) for r in rollouts], dtype=torch.long)
-    return TokenBatch(input_ids, attention, positions, completion, mask, rollout_lp, has_rollout, versions, group)
+    return TokenBatch(input_ids, attention, positions, completion, mask, rollout_lp, has_rollout, versions, group,
+                      observation, turns)
 
 
 def packs_completions(steps: torch.Tensor, n_prompt: int, hidden: int) -> bool:

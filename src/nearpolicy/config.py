@@ -14,7 +14,7 @@ from pydantic import Field, StrictBool, ValidationError, field_validator, model_
 from nearpolicy.config_checks import (ConfigError, aggregation_fits_loss, apply_overrides, betas_in_range,
                                       check_batch_divides, check_correction, check_sections_agree, check_task,
                                       describe_errors, parse_override, read_toml, registered)
-from nearpolicy.config_sections import DistillConfig, RolloutConfig, Section
+from nearpolicy.config_sections import DistillConfig, EpisodeConfig, RolloutConfig, Section
 from nearpolicy.engines.base import ENGINE_KINDS
 from nearpolicy.engines.gguf_export import PRECISIONS
 from nearpolicy.engines.hf import DTYPES as HF_DTYPES
@@ -360,6 +360,8 @@ class Config(Section):
     """[distill] on-policy distillation."""
     rollout: RolloutConfig = RolloutConfig()
     """[rollout] inline or replica rollouts."""
+    episode: EpisodeConfig = EpisodeConfig()
+    """[episode] multi-turn tool-use episodes."""
     logging: LoggingConfig = LoggingConfig()
     """[logging] metrics, evals, checkpoints."""
 

@@ -1,11 +1,11 @@
 """The config sections that need no registry: the base Section (frozen, unknown keys rejected, field docs from the
-string under each field), [rollout] and [distill]. config.py assembles the whole schema."""
+string under each field), [rollout], [distill] and [episode]. config.py assembles the whole schema."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from nearpolicy.config_checks import check_rollout
 
@@ -57,3 +57,62 @@ class DistillConfig(Section):
     """gamma in [0, 1]: A_t also sums the later tokens' terms discounted by gamma^(k - t) (0 = per token only)."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task's GRPO-family advantage added to the distillation advantage (0 = pure distillation)."""
+
+
+TOOL_SYSTEM_PROMPT = ('Use the calculator tool for arithmetic: write <tool_call>{"name": "calculator", "arguments": '
+                      '{"expression": "..."}}</tool_call> and wait for its reply. Then give the final answer as: '
+                      'Answer: <number>')
+TOOL_EXAMPLE = (
+    {"role": "user", "content": "Solve the following multiplication: 25 * 31. Give only the result as your final answer."},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "25 * 31"}}</tool_call>'},
+    {"role": "tool", "content": "775"},
+    {"role": "assistant", "content": "Answer: 775"},
+)
+EXAMPLE_ROLES = ("user", "assistant", "tool")
+
+
+class EpisodeConfig(Section):
+    """Multi-turn tool-use episodes (rollouts/episodes.py, docs/tools.md): the model's turns, tool calls run through
+    an MCP stdio server, tool results inserted as token ids; trained on the model's tokens only. Synchronous engine
+    (rollout.engines = 0), llamacpp or hf."""
+
+    enabled: StrictBool = False
+    """Run each sample as an episode of up to max_turns turns (off: one response per sample)."""
+    server: list[str] = []
+    """The MCP stdio server command (argv), e.g. ["python", "my_server.py"]; empty = nearpolicy's own
+    (`python -m nearpolicy.tools.server`: calculator, python)."""
+    max_turns: int = Field(3, ge=1, le=32)
+    """Model turns per episode; a tool call in the last turn is not run (the episode ends: turn_limit)."""
+    max_tokens: int = Field(256, ge=2)
+    """Token budget of an episode's completion: the model's tokens plus the inserted tool / template tokens (the
+    prompt + this must fit model.max_context)."""
+    turn_tokens: int = Field(96, ge=1)
+    """Most tokens one turn may sample (at most max_tokens)."""
+    call_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Wall-clock limit of one tool call, seconds: a call past it is an error observation (kind timeout) and its
+    server is restarted."""
+    observation_chars: int = Field(400, ge=1)
+    """A tool's result text is cut to this many characters before it is tokenised (marked ...[truncated])."""
+    system_prompt: str = TOOL_SYSTEM_PROMPT
+    """The system message of an episode's prompt (task.system_prompt is the no-tool eval's)."""
+    example: list[dict[str, str]] = list(TOOL_EXAMPLE)
+    """A worked example put between the system message and the question, as chat messages {role, content} (role:
+    user, assistant or tool), rendered once with the chat template; [] = none."""
+    eval_without_tool: StrictBool = True
+    """Each eval also scores single greedy turns of the task's own prompt (task.system_prompt, no tool, at most
+    sampling.max_new_tokens): eval/accuracy_no_tool beside the with-tool eval/accuracy."""
+
+    @field_validator("example")
+    @classmethod
+    def _messages(cls, value: list[dict[str, str]]) -> list[dict[str, str]]:
+        for i, message in enumerate(value):
+            if set(message) != {"role", "content"} or message["role"] not in EXAMPLE_ROLES:
+                raise ValueError(f"episode.example[{i}] must be {{role, content}} with role one of {EXAMPLE_ROLES}, "
+                                 f"got {message}")
+        return value
+
+    @model_validator(mode="after")
+    def _turn_fits(self) -> "EpisodeConfig":
+        if self.turn_tokens > self.max_tokens:
+            raise ValueError(f"episode.turn_tokens ({self.turn_tokens}) exceeds episode.max_tokens ({self.max_tokens})")
+        return self

@@ -226,12 +226,13 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def chat_prompt_ids(tokenizer, system_prompt: str, question: str) -> list[int]:
-    """Chat-templated prompt ids (template applied once, generation prompt appended). Raises ValueError for an
+def chat_prompt_ids(tokenizer, system_prompt: str, question: str, example: list[dict] = ()) -> list[int]:
+    """Chat-templated prompt ids (template applied once, generation prompt appended); `example`: chat messages
+    ({role, content}, a worked example) between the system message and the question. Raises ValueError for an
     empty question."""
     if not question.strip():
         raise ValueError("empty prompt: the task produced a problem with no question text")
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": system_prompt}, *example, {"role": "user", "content": question}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]

@@ -49,6 +49,11 @@ class Session:
         """Chat-templated prompt ids (template applied once, generation prompt appended)."""
         return chat_prompt_ids(self.tokenizer, self.cfg.task.system_prompt, problem.question)
 
+    def episode_prompt_ids(self, problem: Problem) -> list[int]:
+        """An episode's first prompt: episode.system_prompt, the worked episode.example, the question."""
+        e = self.cfg.episode
+        return chat_prompt_ids(self.tokenizer, e.system_prompt, problem.question, e.example)
+
 
 def build_task(cfg: Config) -> Task:
     """The task of cfg.task (seeded by run.seed). Raises what tasks.make_task raises."""
@@ -105,6 +110,8 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     session = Session(cfg, model, tokenizer, task, optimizer, template, engine_dir, stop_ids, plan, ref_model, teacher)
     # every prompt must fit the context before any engine starts (its startup probe would fail less clearly)
     check_task_prompts(task, session.prompt_ids, cfg.model.max_context, cfg.sampling.max_new_tokens)
+    if cfg.episode.enabled:  # an episode's prompt + its whole budget must fit too
+        check_task_prompts(task, session.episode_prompt_ids, cfg.model.max_context, cfg.episode.max_tokens)
     return session
 
 
@@ -243,6 +250,8 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
     """The rollout source over `engine` (the in-process engine): inline with rollout.engines = 0, else engine
     replicas (local processes or Ray actors) that the source starts in its `start`."""
     sampling = sampling_params(cfg)
+    if cfg.episode.enabled:
+        return build_episodes(cfg, session, engine, sampling)
     if not cfg.rollout.engines:
         from nearpolicy.rollouts.inline import InlineRollouts
 
@@ -254,6 +263,23 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
     spec_for = lambda path, version: engine_spec(cfg, path, version, threads=cfg.rollout.engine_threads)  # noqa: E731
     return ReplicaRollouts(cfg, engine, gguf_writer(cfg, session), session.engine_dir / "published", spec_for,
                            session.task, session.prompt_ids, sampling, log)
+
+
+def build_episodes(cfg: Config, session: Session, engine, sampling: SamplingParams):
+    """The episode source (rollouts/episodes.py) over `engine`, with a ToolClient on episode.server (empty:
+    nearpolicy's own MCP server) and the chat template's tool framing, rendered once."""
+    from nearpolicy.rollouts.episodes import EpisodeLimits, EpisodeRollouts, EpisodeRunner
+    from nearpolicy.tools.client import DEFAULT_SERVER, ToolClient
+    from nearpolicy.tools.protocol import ObservationFraming
+
+    e, a = cfg.episode, cfg.algorithm
+    framing = ObservationFraming.from_template(session.tokenizer, e.observation_chars)
+    tools = ToolClient(tuple(e.server) or DEFAULT_SERVER, call_timeout_s=e.call_timeout_s)
+    runner = EpisodeRunner(session.tokenizer, tools, framing, frozenset(session.stop_ids),
+                           EpisodeLimits(e.max_turns, e.max_tokens, e.turn_tokens))
+    return EpisodeRollouts(engine, engine_weights(cfg, session), session.task, session.episode_prompt_ids,
+                           session.prompt_ids, runner, sampling, a.group_size, a.prompts_per_step, cfg.run.seed,
+                           e.eval_without_tool, cfg.sampling.max_new_tokens)
 
 
 def assemble(cfg: Config, run_dir: Path, log=print) -> tuple[Session, RolloutSource]:

@@ -107,6 +107,18 @@ def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], samp
     return rewards, adv, batch, advantages, metrics
 
 
+def greedy_eval(rollouts: RolloutSource, engine, problems: list[Problem], prompt_ids: Callable[[Problem], list[int]],
+                max_new_tokens: int, score: Callable) -> tuple[list[list[int]], list, dict[str, float]]:
+    """(completion ids, score results, extra eval metrics) of a greedy eval on `problems`: the source's own
+    `evaluate_episodes` when it has one (tool-use episodes, rollouts/episodes.py: with and without the tool), else
+    one greedy response of at most `max_new_tokens` per prompt. `score(ids, label)` scores response ids."""
+    episodes = getattr(rollouts, "evaluate_episodes", None)
+    if episodes is not None:
+        return episodes(engine, problems, score)
+    completions = engine.greedy([prompt_ids(p) for p in problems], max_new_tokens)
+    return completions, score(completions, ""), {}
+
+
 class _Timer(dict):
     """time/<phase> seconds of one step: `with timer("rollout"): ...`."""
 
@@ -148,7 +160,7 @@ class Trainer:
     def score(self, rollouts: list[Rollout], problems: dict[int, Problem]) -> dict[str, float]:
         """Set each rollout's reward (NaN = unscorable: left out of the group statistics, advantage 0; a timeout
         scores 0). Returns the step's counts reward/unscorable and reward/timeouts."""
-        results = score_texts(self.scorer, self.s.tokenizer, [r.completion_ids for r in rollouts],
+        results = score_texts(self.scorer, self.s.tokenizer, [r.response_ids() for r in rollouts],
                               [problems[r.group_id] for r in rollouts], f"step {self.state.step + 1}", self.log)
         for r, result in zip(rollouts, results):
             r.reward = result.reward
@@ -183,7 +195,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out problems with the in-process engine at the newest weights, or the
-        trainer's fp32 policy (logging.eval_policy)."""
+        trainer's fp32 policy (logging.eval_policy); greedy tool-use episodes with an episode source (greedy_eval)."""
         try:
             engine = self.rollouts.eval_engine() if self.cfg.logging.eval_policy == "engine" else policy_engine(self.s)
         except EngineDied as died:  # replicas: refreshing the eval engine to the newest weights
@@ -191,11 +203,12 @@ class Trainer:
             died.phase = f"{died.phase} before the eval"
             raise
         problems = self.s.task.eval_problems()
-        completions = engine.greedy([self.s.prompt_ids(p) for p in problems], self.cfg.sampling.max_new_tokens)
-        results = score_texts(self.scorer, self.s.tokenizer, completions, problems, f"eval at step {self.state.step}",
-                              self.log)
+        score = lambda ids, label: score_texts(self.scorer, self.s.tokenizer, ids, problems,  # noqa: E731
+                                               f"eval at step {self.state.step}{label}", self.log)
+        completions, results, extra = greedy_eval(self.rollouts, engine, problems, self.s.prompt_ids,
+                                                  self.cfg.sampling.max_new_tokens, score)
         self.samples.write(eval_samples(self.state.step, self.s.tokenizer, problems, completions, results))
-        return eval_metrics(results, completions)
+        return eval_metrics(results, completions) | extra
 
     def train_step(self) -> dict[str, float]:
         timer = _Timer(**{"time/recompute": 0.0})

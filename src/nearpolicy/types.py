@@ -67,6 +67,13 @@ class Rollout:
     completion_ids   [T] ids exactly as sampled (never re-tokenised), the stop token included when finish='stop'
     rollout_logprobs [T] engine log-prob (nats) of each sampled id under the sampling transform; None = missing
     versions         [T] policy version of the weights that generated each token
+    model_mask       [T] True where the model sampled the token, False where the environment inserted it (a tool
+                     result and its chat-template framing in a multi-turn episode); None = every token is the model's
+    turn_index       [T] 0-based turn of each token (the observation after turn k's tool call carries k); None = one
+                     turn
+
+    Raises ValueError when the per-token lists differ in length or an inserted token has an engine log-prob (the
+    engine did not sample it: its log-prob must be None, invariant 5).
     """
 
     group_id: int
@@ -78,6 +85,8 @@ class Rollout:
     finish_reason: FinishReason
     reward: float = float("nan")
     extras: dict = field(default_factory=dict)
+    model_mask: list[bool] | None = None
+    turn_index: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -86,3 +95,23 @@ class Rollout:
                 f"rollout of group {self.group_id}: {n} completion ids but {len(self.rollout_logprobs)} "
                 f"log-probs and {len(self.versions)} versions"
             )
+        for name in ("model_mask", "turn_index"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"rollout of group {self.group_id}: {n} completion ids but {len(values)} {name} entries")
+        if self.model_mask is not None:
+            logged = [t for t, (own, lp) in enumerate(zip(self.model_mask, self.rollout_logprobs))
+                      if not own and lp is not None]
+            if logged:
+                raise ValueError(f"rollout of group {self.group_id}: inserted (tool / template) tokens at {logged[:5]} "
+                                 "carry an engine log-prob; the engine did not sample them (use None)")
+        if self.turn_index is not None and any(b < a for a, b in zip(self.turn_index, self.turn_index[1:])):
+            raise ValueError(f"rollout of group {self.group_id}: turn_index must not decrease along the completion")
+
+    def response_ids(self) -> list[int]:
+        """The ids the reward reads: the whole completion, or in a multi-turn episode the last turn's own (model)
+        tokens, so a tool's result is never scored as the model's answer."""
+        if self.turn_index is None or not self.completion_ids:
+            return list(self.completion_ids)
+        last, own = self.turn_index[-1], self.model_mask or [True] * len(self.completion_ids)
+        return [t for t, k, m in zip(self.completion_ids, self.turn_index, own) if k == last and m]

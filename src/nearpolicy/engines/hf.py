@@ -46,9 +46,10 @@ class HFEngine:
         self.model = None
 
     @torch.no_grad()
-    def _run(self, prompts: list[tuple[int, ...]], sampling: SamplingParams | None, max_new: int,
+    def _run(self, prompts: list[tuple[int, ...]], sampling: SamplingParams | None, limits: list[int],
              generator: torch.Generator | None) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        n = len(prompts)
+        """Decode every prompt to a stop id or its own token limit (limits [n])."""
+        n, max_new = len(prompts), max(limits)
         width = max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((n, width), dtype=torch.long)
@@ -78,7 +79,7 @@ class HFEngine:
                     logps[i].append(float(lp[i]))
                     if int(tok[i]) in self.stop_ids:
                         finish[i] = "stop"
-                    elif len(tokens[i]) >= max_new:
+                    elif len(tokens[i]) >= limits[i]:
                         finish[i] = "length"
             if all(f is not None for f in finish):
                 break
@@ -95,7 +96,8 @@ class HFEngine:
         rollouts = []
         for start in range(0, len(flat), self.max_parallel):
             chunk = flat[start : start + self.max_parallel]
-            toks, lps, fin = self._run([r.prompt_ids for r, _ in chunk], sampling, sampling.max_new_tokens, generator)
+            limits = [r.token_limit(sampling.max_new_tokens) for r, _ in chunk]
+            toks, lps, fin = self._run([r.prompt_ids for r, _ in chunk], sampling, limits, generator)
             for (r, k), t, lp, f in zip(chunk, toks, lps, fin):
                 rollouts.append(Rollout(r.group_id, k, list(r.prompt_ids), t, lp, [self.version] * len(t), f))
         return rollouts
@@ -104,7 +106,7 @@ class HFEngine:
         result = []
         for start in range(0, len(prompts), self.max_parallel):
             chunk = [tuple(p) for p in prompts[start : start + self.max_parallel]]
-            result += self._run(chunk, None, max_new_tokens, None)[0]
+            result += self._run(chunk, None, [max_new_tokens] * len(chunk), None)[0]
         return result
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ import numpy as np
 
 from nearpolicy.engines.base import LLAMA_MAX_SEQ, EngineError
 from nearpolicy.engines.cpu_load import fit_threads, free_cores
+from nearpolicy.engines.kv_reuse import Cached, plan_slots
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
@@ -94,6 +95,7 @@ class _Seq:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
+    reused: int = 0  # prompt tokens whose KV cache this sequence continued (engines/kv_reuse.py)
 
     @property
     def next_pos(self) -> int:
@@ -109,16 +111,18 @@ class LlamaCppEngine:
     `adaptive_threads`: each generate / greedy call runs on at most the cores other processes leave idle
     (engines/cpu_load.py; `threads_used` says how many the last call had). `logit_noise` (std, logit units,
     >= 0): training samples are drawn from logits + seeded Gaussian noise and their log-probs reported under
-    that noisy distribution (engines/sampling.py; config engine.logit_noise); greedy and score are unaffected."""
+    that noisy distribution (engines/sampling.py; config engine.logit_noise); greedy and score are unaffected.
+    `kv_reuse`: a prompt continuing a sequence of the previous call (an episode's next turn) keeps its KV cache and
+    decodes only the new tokens (engines/kv_reuse.py); a rollout's extras["prefill_reused"] counts those saved."""
 
     def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
                  threads: int = 2, version: int = 0, unified_kv: bool = True, kv_cache: str = "f16",
                  flash_attention: bool = False, extra_buffers: bool = False, adaptive_threads: bool = True,
-                 logit_noise: float = 0.0):
+                 logit_noise: float = 0.0, kv_reuse: bool = True):
         if not 1 <= max_parallel_sequences <= LLAMA_MAX_SEQ:
             raise ValueError(f"engine.max_parallel_sequences = {max_parallel_sequences} is outside llama.cpp's range "
                              f"[1, {LLAMA_MAX_SEQ}] (LLAMA_MAX_SEQ sequences per context)")
-        self.max_context = max_context
+        self.max_context, self.kv_reuse = max_context, kv_reuse
         self.max_parallel = max_parallel_sequences
         self.threads = threads
         self.unified_kv = unified_kv
@@ -165,6 +169,7 @@ class LlamaCppEngine:
         self._vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self._vocab)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self._cached: dict[int, Cached] = {}  # KV sequence id -> the ids its cache holds (a fresh context: none)
         self.path = path
 
     def close(self) -> None:
@@ -221,6 +226,7 @@ class LlamaCppEngine:
     def _reset(self) -> None:
         lib = _llama()
         lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+        self._cached = {}
 
     def _check_prompt(self, prompt: tuple[int, ...] | list[int], new_tokens: int) -> None:
         if len(prompt) + new_tokens > self.max_context:
@@ -230,24 +236,39 @@ class LlamaCppEngine:
             )
 
     def _prefill(self, seqs: list[_Seq]) -> np.ndarray:
-        """Evaluate each group's prompt once, share its cache with the group; returns the logits row of the
-        last prompt token for every sequence [n_seqs, V]."""
+        """Give each sequence a KV slot (a cached one it continues, kv_reuse), evaluate each group's prompt (or its
+        new tail) once, share it with the group; returns the last prompt token's logits row per sequence [n, V]."""
         lib = _llama()
+        mem = lib.llama_get_memory(self._ctx)
         leaders = {}
         for s in seqs:
             leaders.setdefault(id(s.request), s)
+        plan = plan_slots(self._cached if self.kv_reuse else {}, [s.request.prompt_ids for s in seqs],
+                          [leaders[id(s.request)] is s for s in seqs], self.max_parallel)
+        for s, slot, reused in zip(seqs, plan.slots, plan.reused):
+            s.seq_id, s.reused = slot, reused
+        keep = dict(zip(plan.slots, plan.reused))  # a continued sequence keeps its prompt's part; others are cleared
+        for slot in range(self.max_parallel) if any(plan.reused) else ():
+            lib.llama_memory_seq_rm(mem, slot, keep.get(slot, 0), -1)
+        if not any(plan.reused):
+            self._reset()
+        self._cached = {}
         entries = []
         for lead in leaders.values():
             p = lead.request.prompt_ids
-            entries += [(t, i, lead.seq_id, i == len(p) - 1) for i, t in enumerate(p)]
+            entries += [(t, i, lead.seq_id, i == len(p) - 1) for i, t in enumerate(p) if i >= lead.reused]
         rows = self._decode(entries)  # one logits row per leader, in leader order
-        mem = lib.llama_get_memory(self._ctx)
         row_of = {key: k for k, key in enumerate(leaders)}
         for s in seqs:
             lead = leaders[id(s.request)]
             if s is not lead:
                 lib.llama_memory_seq_cp(mem, lead.seq_id, s.seq_id, -1, -1)
         return rows[[row_of[id(s.request)] for s in seqs]]
+
+    def _keep(self, seqs: list[_Seq]) -> None:
+        """Record the ids each finished wave's KV sequences hold: the prompt and every sampled id but the last."""
+        self._cached = {s.seq_id: Cached(tuple(s.request.prompt_ids) + tuple(s.ids[:-1]), len(s.request.prompt_ids))
+                        for s in seqs}
 
     # -- public API ------------------------------------------------------------------------------
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int,
@@ -260,15 +281,12 @@ class LlamaCppEngine:
         out: list[Rollout] = []
         for wave in self._waves(requests):
             seqs = [_Seq(r, k, 0) for r in wave for k in range(r.n)]
-            for slot, s in enumerate(seqs):
-                s.seq_id = slot
+            for s in seqs:
                 self._check_prompt(s.request.prompt_ids, s.request.token_limit(sampling.max_new_tokens))
-            active = seqs
-            if not (interrupt and interrupt()):
-                self._reset()
+            prefilled = not (interrupt and interrupt())
+            active = seqs if prefilled else []
+            if prefilled:
                 logits = self._prefill(seqs)
-            else:
-                active = []
             while active:
                 ids, lps = sample_rows(logits, sampling, rng, self.logit_noise)
                 for s, tok, lp in zip(active, ids.tolist(), lps.tolist()):
@@ -285,6 +303,8 @@ class LlamaCppEngine:
                     logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
             for s in seqs:
                 s.finish = s.finish or "interrupted"
+            if prefilled:  # the wave's caches stay for a continuation
+                self._keep(seqs)
             out += [self._to_rollout(s) for s in seqs]
         return out
 
@@ -294,10 +314,9 @@ class LlamaCppEngine:
         self._fit_threads()
         results: list[list[int]] = []
         for wave in self._waves(requests):
-            seqs = [_Seq(r, 0, slot) for slot, r in enumerate(wave)]
+            seqs = [_Seq(r, 0, 0) for r in wave]
             for s in seqs:
                 self._check_prompt(s.request.prompt_ids, max_new_tokens)
-            self._reset()
             logits = self._prefill(seqs)
             active = seqs
             while active:
@@ -308,6 +327,7 @@ class LlamaCppEngine:
                 active = [s for s in active if s.finish is None]
                 if active:
                     logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
+            self._keep(seqs)
             results += [s.ids for s in seqs]
         return results
 
@@ -347,7 +367,7 @@ class LlamaCppEngine:
         return Rollout(
             group_id=s.request.group_id, sample_index=s.sample_index, prompt_ids=list(s.request.prompt_ids),
             completion_ids=s.ids, rollout_logprobs=list(s.logprobs), versions=[self.version] * len(s.ids),
-            finish_reason=s.finish,  # type: ignore[arg-type]
+            finish_reason=s.finish, extras={"prefill_reused": s.reused} if s.reused else {},  # type: ignore[arg-type]
         )
 
 

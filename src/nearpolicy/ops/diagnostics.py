@@ -154,3 +154,19 @@ def k3_standard_error(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defi
         return torch.zeros((), dtype=torch.float64)
     k3 = sums.sum() / counts.sum()
     return (m / (m - 1) * ((sums - k3 * counts) ** 2).sum()).sqrt() / counts.sum()
+
+
+def mismatch_by_turn(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor,
+                     turn_index: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
+    """Token-mean k3 = mean(r - 1 - log r) (r = pi / mu, nats / token) and the token count per turn of a
+    multi-turn episode batch: {turn k: {"k3", "tokens"}} over the turns with a defined token. Inputs [B, T];
+    turn_index [B, T] int64 (-1 at padding); `defined` [B, T] bool (the model's tokens with an engine log-prob, so
+    tool and template tokens are left out). Float64 scalars; values at undefined positions (NaN, inf) are never
+    read. The estimator is the module's k3 (Schulman 2020), taken over each turn's tokens."""
+    defined = defined.bool()
+    log_r = (select(pi_logprobs.double(), defined) - select(mu_logprobs.double(), defined)).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    out = {}
+    for k in torch.unique(turn_index[defined]).tolist():
+        cell = defined & (turn_index == k)
+        out[int(k)] = {"k3": masked_mean(log_r.exp() - 1 - log_r, cell), "tokens": cell.sum().double()}
+    return out
