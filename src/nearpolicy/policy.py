@@ -18,6 +18,7 @@ import torch
 
 from nearpolicy.batching import TokenBatch, packs_completions
 from nearpolicy.ops.logprobs import token_logprobs_and_entropy
+from nearpolicy.ops.observation_loss import raw_logprobs
 from nearpolicy.types import SamplingParams
 
 
@@ -28,12 +29,33 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Sampl
     same on both paths: the logits at the prompt's last position): mask them. Runs the shared-prompt path when batch.prompt_group is
     set (module docstring), else the padded path; that needs a transformers decoder whose base model takes `cache`,
     `position_ids` and a 4-D additive attention mask (sdpa or eager attention)."""
+    return token_logprobs_and_entropy(
+        completion_logits(model, batch), batch.completion_ids, sampling.temperature, sampling.top_k, sampling.top_p,
+        entropy_grad,
+    )
+
+
+def completion_logits(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """Raw logits [B, T, V] float32 (grad if enabled) at the positions predicting each completion token (padded or
+    shared-prompt path, as sequence_logprobs)."""
     hidden = _padded_hidden(model, batch) if batch.prompt_group is None else _shared_hidden(model, batch)
     # The LM head runs only where a completion token is predicted: prompt positions need no logits.
-    picked = model.get_output_embeddings()(hidden).float()  # [B, T, V]
-    return token_logprobs_and_entropy(
-        picked, batch.completion_ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
+    return model.get_output_embeddings()(hidden).float()
+
+
+def sequence_logprobs_with_raw(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParams,
+                               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sequence_logprobs' (logprobs [B, T], entropy [B, T]) plus the raw log-probs [B, T] (log softmax of the
+    untransformed logits, nats, with grad) of the completion ids from the same forward pass: what ECHO's
+    observation loss (ops/observation_loss.py) needs. Under an identity transform (temperature 1, no top-k / top-p)
+    the raw log-probs are the logprobs tensor itself."""
+    logits = completion_logits(model, batch)
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits, batch.completion_ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
     )
+    vocab = logits.shape[-1]
+    identity = sampling.temperature == 1.0 and sampling.top_p >= 1.0 and not 0 < sampling.top_k < vocab
+    return logprobs, entropy, logprobs if identity else raw_logprobs(logits, batch.completion_ids)
 
 
 def _padded_hidden(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
