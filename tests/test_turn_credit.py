@@ -352,3 +352,30 @@ def test_gold_answer_ids_follow_the_answer_format(smollm2_tokenizer):
         "<answer>7</answer>"
     with pytest.raises(ValueError, match="placeholder"):
         gold_answer_ids(smollm2_tokenizer, "42", "Answer:")
+
+
+# -- config ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["algorithm.turn_credit=trac"], r"unknown name 'trac' \(did you mean 'trace'\?\); valid: outcome, rtpo, trace"),
+    (["algorithm.turn_credit=trace", "algorithm.advantage=rloo"], r"set algorithm.advantage = 'grpo'"),
+    (["algorithm.turn_credit=rtpo", "distill.teacher=smollm2"], r"distillation \(distill.teacher\)"),
+    (["algorithm.trace_answer_format=Answer:"], r"trace_answer_format.*no \{answer\} placeholder"),
+    (["algorithm.observation_loss_coef=-0.1"], r"'algorithm.observation_loss_coef': Input should be greater"),
+    (["algorithm.trace_weight=-1"], r"'algorithm.trace_weight': Input should be greater"),
+])
+def test_config_keys_are_validated(overrides, needle):
+    from nearpolicy.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+
+
+def test_config_keys_reach_the_estimator_params():
+    from nearpolicy.config import load_config
+
+    a = load_config(None, ["algorithm.turn_credit=trace", "algorithm.trace_weight=0.25",
+                           "algorithm.observation_loss_coef=0.1"]).algorithm
+    assert (a.turn_credit, a.observation_loss_coef) == ("trace", 0.1)
+    assert TurnCreditParams(trace_weight=a.trace_weight) == TurnCreditParams(0.25)
