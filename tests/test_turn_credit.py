@@ -379,3 +379,31 @@ def test_config_keys_reach_the_estimator_params():
                            "algorithm.observation_loss_coef=0.1"]).algorithm
     assert (a.turn_credit, a.observation_loss_coef) == ("trace", 0.1)
     assert TurnCreditParams(trace_weight=a.trace_weight) == TurnCreditParams(0.25)
+
+
+def test_turn_credit_advantages_is_the_one_call_the_trainer_makes(model, smollm2_tokenizer):
+    from nearpolicy.config import load_config
+    from nearpolicy.phases import turn_credit_advantages
+    from nearpolicy.turn_values import boundary_ends, gold_answer_ids, turn_values
+
+    rows, obs, _ = _episodes()
+    batch = collate(rows, 2, 49152)
+    turns = torch.tensor([[len(boundary_ends(obs[i], t)) - 1 for t in range(9)] for i in range(4)])
+    turns = torch.where(batch.mask, turns, -1)
+    rewards, groups = torch.tensor([1.0, 0.0, NAN, 1.0]), torch.tensor([r.group_id for r in rows])
+    answers = ["12", "12", "12", "7"]
+    cfg = load_config(None, ["algorithm.turn_credit=trace", "algorithm.trace_weight=0.5"])
+    adv, keep, metrics = turn_credit_advantages(cfg, model, smollm2_tokenizer, batch, obs, turns, rewards, groups,
+                                                answers)
+    gold = [gold_answer_ids(smollm2_tokenizer, a, "Answer: {answer}") for a in answers]
+    values = turn_values(model, batch, obs, gold)
+    direct = compute_turn_credit("trace", rewards, groups, turns, batch.mask & ~obs, values, TurnCreditParams(0.5))
+    torch.testing.assert_close(adv, direct.advantages, atol=1e-6, rtol=0)
+    assert keep.tolist() == [True, True, False, True] and metrics["turn_credit/td_turns"] == 3.0  # 2 + 1 in group 0
+    assert float(adv[0].abs().max()) > 0 and torch.equal(adv[obs], torch.zeros(int(obs.sum())))
+    outcome, _, _ = turn_credit_advantages(load_config(None), None, smollm2_tokenizer, batch, obs, turns, rewards,
+                                           groups, answers)
+    grpo = ADVANTAGES.get("grpo")(rewards, groups).advantages
+    assert torch.equal(outcome, torch.where(batch.mask & ~obs, grpo[:, None].expand(4, 9), torch.tensor(0.0)))
+    with pytest.raises(ValueError, match="needs the frozen reference model"):
+        turn_credit_advantages(cfg, None, smollm2_tokenizer, batch, obs, turns, rewards, groups, answers)
