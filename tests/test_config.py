@@ -198,10 +198,9 @@ def test_choice_lists_and_defaults_have_one_source():
     from nearpolicy.ops.masked import AGGREGATIONS
     from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS
     from nearpolicy.ops.self_normalize import SELF_NORMALIZE
-    from nearpolicy.ops.turn_credit import TURN_CREDIT, TurnCreditParams
+    from nearpolicy.ops.turn_credit import DEFAULT_ANSWER_FORMAT, TURN_CREDIT, TurnCreditParams
     from nearpolicy.proximal_policy import PROXIMALS
     from nearpolicy.tasks.factory import TASK_KINDS
-    from nearpolicy.turn_values import DEFAULT_ANSWER_FORMAT
     from nearpolicy.types import SamplingParams
 
     def choices(section: str, key: str) -> list[str]:

@@ -9,8 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from nearpolicy.config_checks import check_rollout, check_turn_credit, registered
-from nearpolicy.ops.turn_credit import TURN_CREDIT, TurnCreditParams
-from nearpolicy.turn_values import DEFAULT_ANSWER_FORMAT
+from nearpolicy.ops.turn_credit import DEFAULT_ANSWER_FORMAT, TURN_CREDIT, TurnCreditParams
 
 
 class Section(BaseModel):

@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 
 from nearpolicy.batching import TokenBatch, collate
+from nearpolicy.ops.turn_credit import DEFAULT_ANSWER_FORMAT
 from nearpolicy.policy import sequence_logprobs
 from nearpolicy.types import Rollout, SamplingParams
 
 RAW = SamplingParams(1.0, 1.0, 0, 1)  # temperature 1, no top-k / top-p: the model's own distribution
-DEFAULT_ANSWER_FORMAT = "Answer: {answer}"
 
 
 def gold_answer_ids(tokenizer, answer: str, answer_format: str = DEFAULT_ANSWER_FORMAT) -> list[int]:

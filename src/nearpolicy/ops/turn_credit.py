@@ -30,6 +30,9 @@ from nearpolicy.ops.masked import select
 from nearpolicy.registry import Registry
 
 
+DEFAULT_ANSWER_FORMAT = "Answer: {answer}"  # TRACE's gold answer as the model writes it (task.system_prompt's line)
+
+
 @dataclass(frozen=True)
 class TurnCreditParams:
     """Hyper-parameters of the turn-credit estimators (config [algorithm] reads its defaults from here).
