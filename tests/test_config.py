@@ -168,7 +168,7 @@ def test_every_key_has_a_doc_and_nearpolicy_config_prints_each_with_default_and_
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     keys = [f"{section}.{key}" for section, s in Config.model_fields.items() for key in s.annotation.model_fields]
-    assert len(keys) == 106
+    assert len(keys) == 110
     for key in keys:
         assert f"  {key} = " in out, key
     lines = out.splitlines()
@@ -198,6 +198,7 @@ def test_choice_lists_and_defaults_have_one_source():
     from nearpolicy.ops.masked import AGGREGATIONS
     from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS
     from nearpolicy.ops.self_normalize import SELF_NORMALIZE
+    from nearpolicy.ops.turn_credit import DEFAULT_ANSWER_FORMAT, TURN_CREDIT, TurnCreditParams
     from nearpolicy.proximal_policy import PROXIMALS
     from nearpolicy.tasks.factory import TASK_KINDS
     from nearpolicy.types import SamplingParams
@@ -211,6 +212,7 @@ def test_choice_lists_and_defaults_have_one_source():
                 ("task", "kind"): TASK_KINDS,
                 ("algorithm", "advantage"): ADVANTAGES.names(), ("algorithm", "loss"): POLICY_LOSSES.names(),
                 ("algorithm", "aggregation"): AGGREGATIONS, ("algorithm", "kl_estimator"): KL_ESTIMATORS.names(),
+                ("algorithm", "turn_credit"): TURN_CREDIT.names(),
                 ("correction", "preset"): ["none", *CORRECTIONS.names()], ("correction", "level"): LEVELS,
                 ("correction", "action"): ACTIONS, ("correction", "mode"): MODES,
                 ("correction", "self_normalize"): SELF_NORMALIZE, ("correction", "proximal"): PROXIMALS,
@@ -225,6 +227,8 @@ def test_choice_lists_and_defaults_have_one_source():
     assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (
         sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens) == (1.0, 1.0, 0, 64)
     assert typing.get_args(Config.model_fields["engine"].annotation.model_fields["precision"].annotation) == PRECISIONS
+    assert (a.turn_credit, a.trace_weight, a.trace_answer_format, a.observation_loss_coef) == (
+        "outcome", TurnCreditParams().trace_weight, DEFAULT_ANSWER_FORMAT, 0.0)
 
 
 def test_config_built_in_python_raises_config_error_naming_the_key():

@@ -86,8 +86,9 @@ def _registries():
     from nearpolicy.ops.correction_presets import CORRECTIONS
     from nearpolicy.ops.kl import KL_ESTIMATORS
     from nearpolicy.ops.losses import POLICY_LOSSES
+    from nearpolicy.ops.turn_credit import TURN_CREDIT
 
-    return ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS  # a KL estimator's summary: its gradient
+    return ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS, TURN_CREDIT  # a KL estimator's summary: its gradient
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from pydantic import Field, StrictBool, ValidationError, field_validator, model_
 from nearpolicy.config_checks import (ConfigError, aggregation_fits_loss, apply_overrides, betas_in_range,
                                       check_batch_divides, check_correction, check_sections_agree, check_task,
                                       describe_errors, parse_override, read_toml, registered)
-from nearpolicy.config_sections import DistillConfig, EpisodeConfig, RolloutConfig, Section
+from nearpolicy.config_sections import DistillConfig, EpisodeConfig, RolloutConfig, Section, TurnCreditFields
 from nearpolicy.engines.base import ENGINE_KINDS
 from nearpolicy.engines.gguf_export import PRECISIONS
 from nearpolicy.engines.hf import DTYPES as HF_DTYPES
@@ -192,8 +192,8 @@ class TaskConfig(Section):
     _jsonl_needs_path = model_validator(mode="after")(lambda self: check_task(self))
 
 
-class AlgorithmConfig(Section):
-    """The policy update: advantage estimator, loss, batch shape, optimizer, trust region, KL penalty."""
+class AlgorithmConfig(TurnCreditFields):
+    """The policy update: advantage estimator, loss, batch shape, optimizer, trust region, KL penalty, turn credit."""
 
     advantage: registered(ADVANTAGES) = "grpo"
     """Advantage estimator (`nearpolicy list`): grpo, dr_grpo, rloo, reinforce, mc_grpo, ..."""

@@ -90,6 +90,13 @@ def check_rollout(r) -> None:
                              ">= 0 (CPU, GPU and memory are not accepted here)")
 
 
+def check_turn_credit(a) -> None:
+    """[algorithm]: trace and rtpo normalise like grpo, so they need algorithm.advantage = 'grpo'."""
+    if a.turn_credit != "outcome" and getattr(a, "advantage", "grpo") != "grpo":
+        raise ValueError(f"algorithm.turn_credit = {a.turn_credit!r} normalises per group like grpo: set "
+                         f"algorithm.advantage = 'grpo' (it is {a.advantage!r})")
+
+
 def check_sections_agree(cfg) -> None:
     """Rules across sections: replicas run llama.cpp; llama.cpp's sequence limit; a group fits one batch; episodes
     run on the synchronous llamacpp or hf engine."""
@@ -113,6 +120,13 @@ def check_sections_agree(cfg) -> None:
     if a.group_size > e.max_parallel_sequences:
         raise ValueError(f"algorithm.group_size ({a.group_size}) exceeds engine.max_parallel_sequences "
                          f"({e.max_parallel_sequences}): a group is decoded in one batch")
+    if not cfg.episode.enabled and (a.turn_credit != "outcome" or a.observation_loss_coef > 0):
+        raise ValueError(f"algorithm.turn_credit = {a.turn_credit!r} / observation_loss_coef = "
+                         f"{a.observation_loss_coef} act on the turns and tool observations of multi-turn episodes: "
+                         "set episode.enabled = true, or turn_credit = 'outcome' and observation_loss_coef = 0")
+    if a.turn_credit != "outcome" and cfg.distill.teacher is not None:
+        raise ValueError(f"algorithm.turn_credit = {a.turn_credit!r} gives token advantages, which distillation "
+                         "(distill.teacher) does not combine yet: use turn_credit = 'outcome' with a teacher")
 
 
 def check_task(t):

@@ -1,5 +1,6 @@
 """The config sections that need no registry: the base Section (frozen, unknown keys rejected, field docs from the
-string under each field), [rollout], [distill] and [episode]. config.py assembles the whole schema."""
+string under each field), [rollout], [distill], [episode] and the multi-turn keys of [algorithm] (TurnCreditFields,
+the base of config.AlgorithmConfig). config.py assembles the whole schema."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from nearpolicy.config_checks import check_rollout
+from nearpolicy.config_checks import check_rollout, check_turn_credit, registered
+from nearpolicy.ops.turn_credit import DEFAULT_ANSWER_FORMAT, TURN_CREDIT, TurnCreditParams
 
 
 class Section(BaseModel):
@@ -115,4 +117,33 @@ class EpisodeConfig(Section):
     def _turn_fits(self) -> "EpisodeConfig":
         if self.turn_tokens > self.max_tokens:
             raise ValueError(f"episode.turn_tokens ({self.turn_tokens}) exceeds episode.max_tokens ({self.max_tokens})")
+        return self
+
+
+class TurnCreditFields(Section):
+    """The [algorithm] keys of multi-turn episodes: turn-level credit and ECHO's observation loss (docs/turn_credit.md).
+    config.AlgorithmConfig inherits them."""
+
+    turn_credit: registered(TURN_CREDIT) = "outcome"
+    """Credit over the turns of an episode (`nearpolicy list`): outcome (the episode's GRPO advantage on every model
+    token), trace (+ a reference model's gold-answer TD turn rewards), rtpo (per turn counted from the last)."""
+    trace_weight: float = Field(TurnCreditParams.trace_weight, ge=0)
+    """TRACE's beta: weight of the group-normalised TD turn reward added to the outcome advantage (>= 0)."""
+    trace_answer_format: str = DEFAULT_ANSWER_FORMAT
+    """TRACE: the gold answer as the model would write it ({answer} = the task's answer), scored by the reference
+    model after each tool observation; match task.system_prompt's answer line."""
+    observation_loss_coef: float = Field(0.0, ge=0)
+    """ECHO: the loss adds this x the token-mean cross-entropy of the tool-observation tokens under the raw (T = 1)
+    distribution, same forward pass (0 = off)."""
+
+    @field_validator("trace_answer_format")
+    @classmethod
+    def _has_placeholder(cls, value: str) -> str:
+        if "{answer}" not in value:
+            raise ValueError(f"algorithm.trace_answer_format = {value!r} has no {{answer}} placeholder")
+        return value
+
+    @model_validator(mode="after")
+    def _credit_fits(self) -> "TurnCreditFields":
+        check_turn_credit(self)
         return self

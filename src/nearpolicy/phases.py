@@ -1,5 +1,5 @@
 """The helpers of a training step that need no Trainer state: scoring response texts, distillation advantages,
-mismatch diagnostics, the metrics of a step and of an evaluation (floats for the sinks), and an eval's samples."""
+turn-credit advantages of multi-turn episodes, mismatch diagnostics, the metrics of a step and of an evaluation (floats for the sinks), and an eval's samples."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from nearpolicy.batching import TokenBatch
 from nearpolicy.config import Config
 from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
 from nearpolicy.ops.distill import opd_advantages
+from nearpolicy.ops.turn_credit import TurnCreditParams, compute_turn_credit
 from nearpolicy.policy import recompute_logprobs
 from nearpolicy.samples import SAMPLES_PER_EVAL
 from nearpolicy.tasks import Problem
 from nearpolicy.tasks.scoring import BoundedScorer, ScoreResult
 from nearpolicy.types import Rollout, SamplingParams
+from nearpolicy.turn_values import gold_answer_ids, turn_values
 from nearpolicy.update import UpdateResult
 
 
@@ -61,6 +63,28 @@ def distill_advantages(cfg: Config, teacher: torch.nn.Module, batch: TokenBatch,
     token_adv, metrics = opd_advantages(batch.rollout_logprobs, teacher_logprobs, defined, d.coef, d.discount)
     total = token_adv + d.reward_weight * task_advantages[:, None]
     return total.float(), {"distill/teacher_kl": float(metrics["teacher_kl"])}
+
+
+def turn_credit_advantages(cfg: Config, ref_model: torch.nn.Module | None, tokenizer, batch: TokenBatch,
+                           observation_mask: torch.Tensor, turn_index: torch.Tensor, rewards: torch.Tensor,
+                           group_ids: torch.Tensor, answers: list[str]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(token advantages [B, T] float32, keep [B] bool, metrics as floats) of algorithm.turn_credit over the
+    episodes of `batch` (docs/turn_credit.md). observation_mask [B, T] bool (tool and template tokens), turn_index
+    [B, T] int64 (-1 at padding); model tokens = batch.mask & ~observation_mask. For "trace", the frozen
+    `ref_model` scores each row's gold answer (`answers`, formatted by algorithm.trace_answer_format) at every
+    boundary (turn_values). keep drops unscorable rewards, as the trainer does for the [B] estimators. Raises
+    ValueError for "trace" without a ref_model, and what compute_turn_credit raises."""
+    a = cfg.algorithm
+    values = None
+    if a.turn_credit == "trace":
+        if ref_model is None:
+            raise ValueError("algorithm.turn_credit = 'trace' needs the frozen reference model (setup.py loads it)")
+        gold = [gold_answer_ids(tokenizer, answer, a.trace_answer_format) for answer in answers]
+        values = turn_values(ref_model, batch, observation_mask, gold, a.micro_batch_size)
+    result = compute_turn_credit(a.turn_credit, rewards, group_ids, turn_index, batch.mask & ~observation_mask,
+                                 values, TurnCreditParams(trace_weight=a.trace_weight))
+    keep = result.keep & torch.isfinite(rewards)
+    return result.advantages, keep, {key: float(value) for key, value in result.metrics.items()}
 
 
 def mismatch_diagnostics(update: UpdateResult, batch: TokenBatch, defined: torch.Tensor) -> dict[str, float]:

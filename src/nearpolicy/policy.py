@@ -18,6 +18,7 @@ import torch
 
 from nearpolicy.batching import TokenBatch, packs_completions
 from nearpolicy.ops.logprobs import token_logprobs_and_entropy
+from nearpolicy.ops.observation_loss import raw_logprobs
 from nearpolicy.types import SamplingParams
 
 
@@ -28,20 +29,41 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Sampl
     computed there): mask them. Runs the shared-prompt path when batch.prompt_group is
     set (module docstring), else the padded path; that needs a transformers decoder whose base model takes `cache`,
     `position_ids` and a 4-D additive attention mask (sdpa or eager attention)."""
-    hidden = _padded_hidden(model, batch) if batch.prompt_group is None else _shared_hidden(model, batch)
-    # The LM head and the log-softmax over the vocabulary run only where a completion token is predicted: not at
-    # prompt positions, not at the padding of shorter completions.
-    valid = torch.arange(batch.completion_ids.shape[1]) < batch.completion_lengths[:, None]  # [B, T]
-    logits = model.get_output_embeddings()(hidden[valid]).float()  # [n, V]
+    logits, valid = completion_logits(model, batch)
     picked, entropy = token_logprobs_and_entropy(
         logits, batch.completion_ids[valid], sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
     )
     return _scatter(picked, valid), _scatter(entropy, valid)
 
 
+def completion_logits(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw logits [n, V] float32, grad if enabled, valid [B, T] bool): the logits at the n positions that predict
+    a completion token (valid: t < the row's completion length), padded or shared-prompt path. The LM head and the
+    log-softmax over the vocabulary never run at prompt positions nor at the padding of shorter completions."""
+    hidden = _padded_hidden(model, batch) if batch.prompt_group is None else _shared_hidden(model, batch)
+    valid = torch.arange(batch.completion_ids.shape[1]) < batch.completion_lengths[:, None]  # [B, T]
+    return model.get_output_embeddings()(hidden[valid]).float(), valid
+
+
 def _scatter(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """values [n] at the True positions of valid [B, T], 0 elsewhere (differentiable)."""
     return torch.zeros(valid.shape, dtype=values.dtype).masked_scatter(valid, values)
+
+
+def sequence_logprobs_with_raw(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParams,
+                               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sequence_logprobs' (logprobs [B, T], entropy [B, T]) plus the raw log-probs [B, T] (log softmax of the
+    untransformed logits, nats, with grad; 0 at padding) of the completion ids from the same forward pass: what
+    ECHO's observation loss (ops/observation_loss.py) needs. Under an identity transform (temperature 1, no top-k /
+    top-p) the raw log-probs are the logprobs tensor itself."""
+    logits, valid = completion_logits(model, batch)
+    ids = batch.completion_ids[valid]
+    picked, entropy = token_logprobs_and_entropy(
+        logits, ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
+    )
+    identity = sampling.temperature == 1.0 and sampling.top_p >= 1.0 and not 0 < sampling.top_k < logits.shape[-1]
+    raw = picked if identity else raw_logprobs(logits, ids)
+    return _scatter(picked, valid), _scatter(entropy, valid), _scatter(raw, valid)
 
 
 def _padded_hidden(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:

@@ -99,8 +99,8 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     engine_dir = run_dir / "engine"
     stop_ids = stop_token_ids(model, tokenizer, template, engine_dir)
     ref_model = None
-    if a.kl_coef > 0:  # the reference policy: the model.path weights, frozen (the same after a resume)
-        log("loading the reference policy (algorithm.kl_coef > 0)...")
+    if a.kl_coef > 0 or a.turn_credit == "trace":  # the reference policy: the model.path weights, frozen
+        log("loading the reference policy (algorithm.kl_coef > 0 or turn_credit = 'trace')...")
         ref_model = load_policy(cfg.model.path)[0].float().eval().requires_grad_(False)
     teacher = _load_teacher(cfg, tokenizer, log)
     plan = _plan(cfg, resolved, model, task, stop_ids)

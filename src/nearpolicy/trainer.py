@@ -22,7 +22,7 @@ from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.phases import (distill_advantages, eval_metrics, eval_samples, mismatch_diagnostics, progress_postfix,
-                               score_texts, step_metrics)
+                               score_texts, step_metrics, turn_credit_advantages)
 from nearpolicy.policy import recompute_logprobs
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
@@ -55,7 +55,7 @@ def _update_settings(cfg: Config) -> UpdateSettings:
                               entropy_coef=a.entropy_coef)
     constant = a.aggregation_constant or float(cfg.sampling.max_new_tokens)
     return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.loss, params, a.aggregation, constant,
-                          c.spec(), c.center, c.adaptive_mix, c.proximal, a.epochs)
+                          c.spec(), c.center, c.adaptive_mix, c.proximal, a.epochs, a.observation_loss_coef)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
@@ -93,13 +93,22 @@ def open_trainer(cfg: Config, *, resume: bool = False, log=print,
         raise
 
 
-def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], sampling):
+def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], sampling,
+                    problems: dict[int, Problem] | None = None):
     """(rewards [N] float32, NaN = unscorable; the advantage result of algorithm.advantage, whose keep-mask also
     drops unscorable samples from the loss unless a teacher scores them; the token batch; the advantages, [N], or
-    [N, T] with on-policy distillation; the distillation metrics)."""
+    [N, T] with on-policy distillation or turn-level credit (algorithm.turn_credit other than outcome: episodes,
+    `problems` by group id give TRACE's gold answers); the distillation / turn-credit metrics)."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-    adv = compute_advantages(cfg.algorithm.advantage, rewards, torch.tensor([r.group_id for r in rollouts]))
+    group_ids = torch.tensor([r.group_id for r in rollouts])
+    adv = compute_advantages(cfg.algorithm.advantage, rewards, group_ids)
     batch = collate(rollouts, session.pad_id, session.vocab_size, cfg.algorithm.shared_prompt)
+    if cfg.algorithm.turn_credit != "outcome":
+        answers = [problems[r.group_id].answer for r in rollouts] if problems else [""] * len(rollouts)
+        advantages, keep, metrics = turn_credit_advantages(cfg, session.ref_model, session.tokenizer, batch,
+                                                           batch.observation_mask, batch.turn_index, rewards,
+                                                           group_ids, answers)
+        return rewards, replace(adv, keep=keep), batch, advantages, metrics
     if session.teacher is None:  # an unscorable sample leaves the loss's numerator and its denominator
         adv = replace(adv, keep=adv.keep & torch.isfinite(rewards))
         return rewards, adv, batch, adv.advantages.float(), {}
@@ -217,7 +226,7 @@ class Trainer:
         with timer("score"):
             score_metrics = self.score(got.rollouts, got.problems)
         rewards, adv, batch, advantages, distill_metrics = step_advantages(self.cfg, self.s, got.rollouts,
-                                                                           self.sampling)
+                                                                           self.sampling, got.problems)
         update = self.update(batch, advantages, adv.keep, timer)
         with timer("diagnostics"):
             _, defined = mismatch_log_ratio(update.old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)

@@ -18,7 +18,8 @@ from nearpolicy.ops.corrections import CorrectionSpec, correct, correction_log_r
 from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
 from nearpolicy.ops.masked import aggregation_denominator
 from nearpolicy.ops.proximal import ais_lambda, discrepancy_center, proximal_logprobs
-from nearpolicy.policy import sequence_logprobs
+from nearpolicy.ops.observation_loss import observation_loss
+from nearpolicy.policy import sequence_logprobs, sequence_logprobs_with_raw
 from nearpolicy.types import SamplingParams
 
 
@@ -36,6 +37,7 @@ class UpdateSettings:
     adaptive_mix: str = "none"  # none or ais
     proximal: str = "old"  # old, ewma (ewma_logprobs given to policy_update) or a3po (ops/proximal.py)
     epochs: int = 1  # passes over the batch (PPO epochs); each pass runs the mini-batches in the same order
+    observation_loss_coef: float = 0.0  # ECHO: + coef x the observation tokens' cross-entropy (0 = off)
 
     @property
     def optimizer_steps(self) -> int:
@@ -132,7 +134,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         for m0 in range(start, start + size, settings.micro_batch_size):
             part = slice(m0, min(m0 + settings.micro_batch_size, start + size))
             micro = batch.select(part)
-            logprobs, micro_entropy = sequence_logprobs(model, micro, sampling, entropy_grad)
+            logprobs, micro_entropy, echo = _forward(model, micro, sampling, entropy_grad, settings,
+                                                     batch.observation_mask, rows)
             current[part] = logprobs.detach()
             if fused:
                 old_logprobs[part], entropy[part] = logprobs.detach(), micro_entropy.detach()
@@ -141,16 +144,15 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                                      None if ewma_logprobs is None else ewma_logprobs[part], center)
             result = mismatch_correction(spec, logprobs, prox, rollout[part], loss_mask[part], micro.has_rollout,
                                          normalizer)
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref = sequence_logprobs(ref_model, micro, sampling)[0]
+            ref = None if ref_model is None else _reference_logprobs(ref_model, micro, sampling)
             loss, metrics = policy_loss(
                 settings.loss,
                 PolicyLossInput(logprobs, prox, advantages[part], loss_mask[part], tokens, result.weights, ref,
                                 micro_entropy if entropy_grad else None),
                 settings.loss_params, settings.aggregation, denom,
             )
+            if echo is not None:
+                loss, metrics = loss + settings.observation_loss_coef * echo, {**metrics, "observation_loss": echo.detach()}
             loss.backward()
             share = loss_mask[part].sum() / tokens
             for key, value in {"loss": loss.detach(), **metrics}.items():
@@ -170,3 +172,20 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     totals["skipped_minibatches"] = float(skipped)
     metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in totals.items()}
     return UpdateResult(metrics, old_logprobs, current, entropy)
+
+
+@torch.no_grad()
+def _reference_logprobs(ref_model: torch.nn.Module, micro: TokenBatch, sampling: SamplingParams) -> torch.Tensor:
+    return sequence_logprobs(ref_model, micro, sampling)[0]
+
+
+def _forward(model: torch.nn.Module, micro: TokenBatch, sampling: SamplingParams, entropy_grad: bool,
+             settings: UpdateSettings, observation_mask: torch.Tensor | None, rows: slice):
+    """(logprobs [b, T], entropy [b, T], ECHO's observation loss of the micro-batch or None): with
+    settings.observation_loss_coef > 0 and observation tokens in the batch, the raw log-probs of the same forward
+    give the cross-entropy of the micro-batch's observation tokens over the mini-batch `rows`' count (so the
+    micro-batches' parts sum to the mini-batch's token mean; ops/observation_loss.py, ECHO arXiv:2605.24517)."""
+    if settings.observation_loss_coef <= 0 or observation_mask is None or not bool(observation_mask[rows].any()):
+        return (*sequence_logprobs(model, micro, sampling, entropy_grad), None)
+    logprobs, entropy, raw = sequence_logprobs_with_raw(model, micro, sampling, entropy_grad)
+    return logprobs, entropy, observation_loss(raw, micro.observation_mask, observation_mask[rows].sum())
