@@ -202,7 +202,7 @@ class AlgorithmConfig(TurnCreditFields):
     aggregation: Literal[AGGREGATIONS] = "token-mean"
     """docs/math.md sec. 7. Unset: seq-mean-token-mean for a sequence-level loss (gspo; no other mode), else token-mean."""
     aggregation_constant: float | None = Field(None, ge=1)
-    """seq-mean-token-sum-norm divides by (non-empty sequences x this), tokens (default: sampling.max_new_tokens)."""
+    """seq-mean-token-sum-norm divides by non-empty sequences x this; unset: sampling.max_new_tokens (or episode.max_tokens)."""
     group_size: int = Field(8, ge=1)
     """G: samples per prompt."""
     prompts_per_step: int = Field(4, ge=1)

@@ -149,7 +149,14 @@ def run_plan(cfg: Config, resolved, task: Task) -> dict:
         "eval_problems": len(task.eval_problems()),
         "correction": repr(cfg.correction.spec()),
         "correction_effective": describe_correction(cfg.correction.preset, cfg.correction.spec()),
-    }
+    } | ({"episodes": _describe_episodes(cfg)} if cfg.episode.enabled else {})
+
+
+def _describe_episodes(cfg: Config) -> str:
+    e = cfg.episode
+    server = " ".join(e.server) or "python -m nearpolicy.tools.server"
+    return (f"up to {e.max_turns} turns, {e.max_tokens} tokens ({e.turn_tokens} a turn), tools from `{server}`, "
+            f"{len(e.example)} example message(s)")
 
 
 def dry_plan(cfg: Config) -> dict:

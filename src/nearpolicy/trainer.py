@@ -53,7 +53,8 @@ def _update_settings(cfg: Config) -> UpdateSettings:
     a, c = cfg.algorithm, cfg.correction
     params = PolicyLossParams(a.clip_low, a.clip_high, a.dual_clip, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                               entropy_coef=a.entropy_coef)
-    constant = a.aggregation_constant or float(cfg.sampling.max_new_tokens)
+    longest = cfg.episode.max_tokens if cfg.episode.enabled else cfg.sampling.max_new_tokens  # a response's most tokens
+    constant = a.aggregation_constant or float(longest)
     return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.loss, params, a.aggregation, constant,
                           c.spec(), c.center, c.adaptive_mix, c.proximal, a.epochs, a.observation_loss_coef)
 
