@@ -79,7 +79,9 @@ class ToolAnswerTask:
 
 
 @pytest.mark.slow
-def test_a_two_step_tool_use_run_trains_on_the_models_tokens_with_the_real_tool_server(tiny_model_dir, tmp_path):
+def _two_steps(tiny_model_dir, tmp_path, extra: list[str] = ()):
+    """Two Trainer steps + an eval of a tool-use run on the tiny model (hf engine, the real tool server), the first
+    turn of every episode scripted to call the calculator: (step rows, eval metrics, the call / observation ids)."""
     from nearpolicy import setup
     from nearpolicy.trainer import open_trainer
 
@@ -101,7 +103,7 @@ def test_a_two_step_tool_use_run_trains_on_the_models_tokens_with_the_real_tool_
                              "algorithm.micro_batch_size=4", "sampling.max_new_tokens=6", "task.eval_size=2",
                              "task.train_size=50", "logging.tensorboard=false", "logging.progress=false",
                              "model.max_context=512", "engine.kind=hf", "episode.enabled=true", "episode.max_turns=2",
-                             "episode.max_tokens=100", "episode.turn_tokens=40"])
+                             "episode.max_tokens=100", "episode.turn_tokens=40", *extra])
     trainer = open_trainer(cfg, log=lambda _: None, build=build)
     try:
         assert isinstance(trainer.rollouts, EpisodeRollouts)
@@ -112,6 +114,11 @@ def test_a_two_step_tool_use_run_trains_on_the_models_tokens_with_the_real_tool_
         evaluated = trainer.evaluate()
     finally:
         trainer.close()
+    return rows, evaluated, seen
+
+
+def test_a_two_step_tool_use_run_trains_on_the_models_tokens_with_the_real_tool_server(tiny_model_dir, tmp_path):
+    rows, evaluated, seen = _two_steps(tiny_model_dir, tmp_path)
     for row in rows:
         assert row["episode/tool_calls_mean"] >= 1 and row["episode/tool_errors"] == 0
         assert row["turn0/episodes"] == 8 and row["turn1/episodes"] == 8 and row["episode/turns_mean"] == 2
@@ -153,3 +160,17 @@ def test_the_hf_engine_honours_each_requests_own_token_limit(tiny_model_dir):
     for rollout, limit in zip(out, (3, 9)):  # a sample that did not stop ran exactly to its own limit
         assert len(rollout.completion_ids) == limit or rollout.finish_reason == "stop"
         assert len(rollout.completion_ids) <= limit
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("credit", ["trace", "rtpo"])
+def test_turn_credit_and_the_observation_loss_run_in_the_trainer(tiny_model_dir, tmp_path, credit):
+    """algorithm.turn_credit gives token advantages over the episodes (trace: the frozen reference model scores the
+    gold answer at each boundary) and observation_loss_coef adds ECHO's loss: both reach the step's metrics."""
+    rows, _, _ = _two_steps(tiny_model_dir, tmp_path, [f"algorithm.turn_credit={credit}",
+                                                       "algorithm.observation_loss_coef=0.2"])
+    for row in rows:
+        assert row["actor/observation_loss"] > 5  # the tiny random model: about log V per observation token
+        assert math.isfinite(row["actor/loss"]) and row["turn1/episodes"] == 8
+        assert any(key.startswith("turn_credit/") for key in row), sorted(row)
