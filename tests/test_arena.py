@@ -201,6 +201,25 @@ def test_a_changed_arena_is_refused_naming_what_changed(tmp_path):
         ArenaState.open(more.out, more)
 
 
+def test_a_key_added_to_the_schema_since_the_start_counts_as_its_default(tmp_path):
+    """An arena started by an older nearpolicy lacks the keys added since: at their defaults they are no change (a
+    code update does not strand an arena); a non-default value of such a key is refused."""
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    state = ArenaState.open(spec.out, spec)
+    for config in state.arena["cells"].values():
+        del config["algorithm"]["observation_loss_coef"], config["episode"]  # as an arena from before those keys
+    state.save()
+    assert ArenaState.open(spec.out, spec).cells.keys() == state.cells.keys()  # opens: nothing changed
+    state.save()
+    for config in state.arena["cells"].values():
+        del config["algorithm"]["entropy_coef"]
+    state.save()
+    changed = load_arena(_arena(tmp_path, ARENA.replace("correction.upper=3.0", "correction.upper=3.0\",\n  \"algorithm.entropy_coef=0.01")),
+                         out=tmp_path / "out")
+    with pytest.raises(ArenaError, match=r"algorithm.entropy_coef null -> 0.01"):
+        ArenaState.open(changed.out, changed)
+
+
 def test_classify_and_changed_fraction():
     assert classify(0, "done") == ("done", None) and classify(130, "") == ("stopped", None)
     assert classify(1, "error: weights became non-finite at step 3") == ("diverged", "divergence")

@@ -59,8 +59,15 @@ def _flat(config: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _default_config() -> dict:
+    from nearpolicy.config import Config
+
+    return Config().model_dump(mode="json")
+
+
 def describe_changes(old: dict, new: dict, limit: int = 6) -> list[str]:
-    """What differs between two fingerprints, one line each (at most `limit` lines, then a count)."""
+    """What differs between two fingerprints, one line each (at most `limit` lines, then a count). A key the old
+    fingerprint lacks counts as unchanged when the new value is the schema's default (as a --resume treats it)."""
     lines = []
     if old.get("base") != new.get("base"):
         lines.append(f"arena.base: {old.get('base')} -> {new.get('base')}")
@@ -70,9 +77,12 @@ def describe_changes(old: dict, new: dict, limit: int = 6) -> list[str]:
         lines.append(f"{len(added)} cell(s) added: {', '.join(added[:4])}{' ...' if len(added) > 4 else ''}")
     if removed:
         lines.append(f"{len(removed)} cell(s) removed: {', '.join(removed[:4])}{' ...' if len(removed) > 4 else ''}")
+    default = _flat(_default_config())
     for cell in (c for c in after if c in before):
         a, b = _flat(before[cell]), _flat(after[cell])
         for key in sorted(set(a) | set(b)):
+            if key not in a and key in default and b[key] == default[key]:
+                continue  # a key added to the schema since the arena started, at its default: runs as before
             if a.get(key) != b.get(key):
                 lines.append(f"cell {cell}: {key} {json.dumps(a.get(key))} -> {json.dumps(b.get(key))}")
     return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])
@@ -106,7 +116,7 @@ class ArenaState:
         if changes:
             raise ArenaError(f"{spec.path} is not the arena {out} was started with; changed: " + "; ".join(changes)
                              + f". Restore it, or give a new --out to run the changed arena")
-        return cls(path, arena, stored, seconds)
+        return cls(path, current, stored, seconds)  # the new keys recorded: later changes to them are seen
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
