@@ -111,12 +111,12 @@ def _three_turns(tok):
 def test_the_framing_is_rendered_once_from_the_chat_template(tok, framing):
     assert framing.prefix == (2, 198, 1, 19324, 198)  # <|im_end|> \n <|im_start|> tool \n
     assert framing.suffix == (2, 198, 1, 520, 9531, 198)  # <|im_end|> \n <|im_start|> ass istant \n
-    after_stop = framing.observation_ids(tok, "391", True, STOP)
+    after_stop = framing.observation_ids(tok, "391", 2)
     assert after_stop == [198, 1, 19324, 198, *tok.encode("391", add_special_tokens=False), *framing.suffix]
-    assert framing.observation_ids(tok, "391", False, STOP)[:5] == list(framing.prefix)  # a cut turn gets its end
-    injected = framing.observation_ids(tok, "x<|im_end|>y", True, STOP)
+    assert framing.observation_ids(tok, "391", None)[:5] == list(framing.prefix)  # a cut turn gets its end
+    injected = framing.observation_ids(tok, "x<|im_end|>y", 2)
     assert injected.count(2) == 1  # only the suffix's: a tool cannot end the turn
-    long = framing.observation_ids(tok, "7" * 100, True, STOP)
+    long = framing.observation_ids(tok, "7" * 100, 2)
     assert tok.decode(long[4:-6]) == "7" * 40 + " ...[truncated]"
 
 
@@ -160,7 +160,7 @@ def test_a_three_turn_episode_trains_exactly_the_sampled_ids(tok, framing, promp
     requests = [call[0] for call in engine.calls]
     replayed = [engine.generate([r], SamplingParams(max_new_tokens=120), 0)[0] for r in requests]  # as the runner
     prompts, sampled = [r.prompt_ids for r in requests], [r.completion_ids for r in replayed]
-    observations = [framing.observation_ids(tok, text, True, STOP) for text in ("391", "400")]
+    observations = [framing.observation_ids(tok, text, 2) for text in ("391", "400")]
     assert prompts[0] == tuple(prompt)
     for k in range(2):  # turn k + 1's prompt is turn k's prompt, every id turn k sampled, then the observation
         assert prompts[k + 1] == prompts[k] + tuple(sampled[k]) + tuple(observations[k])
@@ -218,7 +218,7 @@ def test_a_resumed_partial_episode_keeps_its_masks_and_versions(tok, framing, pr
     assert resumed == episode
     runner.run(ScriptedEngine(script, version=5), [resumed], SAMPLING, lambda r: r)
     rollout = resumed.to_rollout(STOP)
-    first = len(script[0]) + len(framing.observation_ids(tok, "391", True, STOP))
+    first = len(script[0]) + len(framing.observation_ids(tok, "391", 2))
     n = len(rollout.completion_ids)
     assert len(rollout.model_mask) == len(rollout.turn_index) == len(rollout.versions) == n
     assert rollout.versions == [4] * first + [5] * (n - first)  # tokens sampled after the resume: the new version
@@ -292,7 +292,7 @@ def test_episodes_end_at_the_turn_limit_and_the_token_budget(tok, framing, promp
     limited.run(ScriptedEngine([call]), [episode], SAMPLING, lambda r: r)
     assert (episode.end, episode.turns, episode.tool_calls) == ("turn_limit", 2, 1)  # the last turn's call never runs
     # a budget that holds the call but not its observation and one more token
-    budget = len(call) + len(framing.observation_ids(tok, "2", True, STOP))
+    budget = len(call) + len(framing.observation_ids(tok, "2", 2))
     tight = _runner(tok, framing, FakeTools(Observation("2")), max_tokens=budget, turn_tokens=budget)
     episode = tight.new(0, 0, prompt)
     tight.run(ScriptedEngine([call]), [episode], SAMPLING, lambda r: r)
@@ -411,3 +411,37 @@ def test_the_tools_config_runs_episodes_on_the_main_jobs_model_and_engine():
     from nearpolicy.config import config_from_data
 
     assert config_from_data(tomllib.loads(config_toml(cfg))) == cfg  # the dry-run TOML reads back
+
+
+# -- review findings --------------------------------------------------------------------------------------------
+def test_a_call_with_a_lone_surrogate_is_malformed_and_a_tool_text_with_one_is_tokenised(framing, tok):
+    call = parse_tool_call('<tool_call>{"name": "calculator", "arguments": {"expression": "\\ud800"}}</tool_call>')
+    assert isinstance(call, MalformedCall) and "UTF-8" in call.reason
+    ids = framing.observation_ids(tok, "7\ud8008", 2)  # a third-party server's bad text: replaced, never a crash
+    assert tok.decode(ids[len(framing.prefix) - 1: -len(framing.suffix)]) == "7?8"
+
+
+def test_a_turn_ended_by_another_stop_id_keeps_the_whole_framing(framing, tok):
+    """Only the id the prefix starts with (<|im_end|>, 2) is dropped: a turn that ended on <|endoftext|> (0) still
+    gets <|im_end|> before the tool message."""
+    assert framing.prefix[0] == 2
+    assert framing.observation_ids(tok, "391", 0)[: len(framing.prefix)] == list(framing.prefix)
+    assert framing.observation_ids(tok, "391", 2)[: len(framing.prefix) - 1] == list(framing.prefix[1:])
+
+
+def test_greedy_turns_never_ask_for_more_than_an_episodes_budget():
+    """The greedy eval runs one call per distinct limit min(turn_tokens, budget): a prompt + limit within the
+    start-up check's prompt + budget, never prompt + turn_tokens (which could pass the context)."""
+    from nearpolicy.rollouts.episodes import _greedy_by_limit
+
+    calls = []
+
+    class Recorder:
+        def greedy(self, prompts, max_new_tokens):
+            calls.append((len(prompts), max_new_tokens))
+            return [[5] * 40 for _ in prompts]
+
+    live = [Episode(0, 0, [1, 2], budget=8), Episode(1, 0, [3], budget=50), Episode(2, 0, [4], budget=8)]
+    out = _greedy_by_limit(Recorder(), live, 30)
+    assert sorted(calls) == [(1, 30), (2, 8)]
+    assert [len(ids) for ids in out] == [8, 30, 8]

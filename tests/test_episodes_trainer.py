@@ -94,7 +94,7 @@ def _two_steps(tiny_model_dir, tmp_path, extra: list[str] = ()):
         session.task = ToolAnswerTask(session.task)
         call_ids = seen["call"] = session.tokenizer.encode(CALL, add_special_tokens=False) + [2]
         seen["observation"] = ObservationFraming.from_template(session.tokenizer).observation_ids(
-            session.tokenizer, "391", True, frozenset(session.stop_ids))
+            session.tokenizer, "391", 2)
         engine = FirstTurnCalls(setup.build_engine(cfg, session), call_ids)
         return session, setup.build_rollouts(cfg, session, engine, log)
 

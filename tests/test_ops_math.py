@@ -223,3 +223,22 @@ def test_mismatch_metrics_hand_computed():
     assert m["max_abs_logprob_diff"].item() == pytest.approx(math.log(2))
     assert m["frac_ratio_outside_0.5_2"].item() == 0.0  # 2.0 is inside the closed interval
     assert m["tokens"].item() == 2
+
+
+@pytest.mark.parametrize("top_k, top_p", [(20, 1.0), (0, 0.9), (5, 0.5)])
+def test_the_entropy_gradient_is_finite_and_exact_under_top_k_and_top_p(top_k, top_p):
+    """Tokens outside the kept set have log-prob -inf: the entropy's gradient must stay finite there (a NaN would
+    skip every optimizer step of an entropy bonus) and equal that of the entropy over the kept set alone."""
+    from nearpolicy.ops.logprobs import kept_set, token_logprobs_and_entropy
+
+    logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    _, entropy = token_logprobs_and_entropy(logits, ids, 0.7, top_k, top_p, entropy_grad=True)
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    keep = kept_set(logits.detach() / 0.7, top_k, top_p).scatter(-1, ids.unsqueeze(-1), True)
+    direct = logits.detach().clone().requires_grad_(True)
+    logp = torch.log_softmax((direct / 0.7).masked_fill(~keep, float("-inf")), -1)
+    (-(logp.exp() * logp.masked_fill(~keep, 0.0)).sum()).backward()
+    assert torch.allclose(logits.grad, direct.grad, atol=1e-12)
+    assert float(logits.grad[~keep].abs().max()) == 0.0

@@ -364,6 +364,8 @@ def test_gold_answer_ids_follow_the_answer_format(smollm2_tokenizer):
     (["algorithm.turn_credit=rtpo"], r"multi-turn episodes: set episode.enabled = true"),
     (["algorithm.observation_loss_coef=0.1"], r"multi-turn episodes: set episode.enabled = true"),
     (["algorithm.trace_answer_format=Answer:"], r"trace_answer_format.*no \{answer\} placeholder"),
+    (["algorithm.trace_answer_format='Answer: {{answer}}'"], r"trace_answer_format.*no \{answer\} placeholder"),
+    (["algorithm.trace_answer_format='{answer} {unit}'"], r"not a format string with only an \{answer\} field"),
     (["algorithm.observation_loss_coef=-0.1"], r"'algorithm.observation_loss_coef': Input should be greater"),
     (["algorithm.trace_weight=-1"], r"'algorithm.trace_weight': Input should be greater"),
 ])

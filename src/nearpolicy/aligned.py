@@ -127,11 +127,16 @@ def align_model(model: torch.nn.Module, precision: str, tensor_precision: Precis
     """Make `model` (a transformers llama, float32) compute what a llama.cpp engine on its `precision` export
     (with `tensor_precision` overrides and a `kv_cache` KV cache, "f16" or "f32") computes; module docstring.
     Returns the handle that undoes it. Raises ValueError (unknown precision / kv_cache, model not float32, already
-    aligned)."""
+    aligned, a scaled RoPE). The dequantized weights are cached by each parameter's in-place version counter
+    (torch's default AdamW bumps it; a fused optimizer or a .data copy would not: not supported)."""
     if kv_cache not in KV_CACHE_TYPES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
     if getattr(model, "_nearpolicy_alignment", None) is not None:
         raise ValueError("model is already aligned: remove() the previous Alignment first")
+    rope = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"precision alignment emulates llama.cpp's plain RoPE; this model uses rope_type "
+                         f"{rope.get('rope_type', rope.get('type'))!r} (scaled RoPE is not emulated)")
     if model.get_input_embeddings().weight.dtype != torch.float32:
         raise ValueError(f"precision alignment needs float32 master weights, got {model.get_input_embeddings().weight.dtype}")
     handle = Alignment(model, module_precisions(model, precision, tensor_precision), kv_cache)

@@ -139,7 +139,12 @@ class TurnCreditFields(Section):
     @field_validator("trace_answer_format")
     @classmethod
     def _has_placeholder(cls, value: str) -> str:
-        if "{answer}" not in value:
+        try:
+            filled = value.format(answer="\x00")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"algorithm.trace_answer_format = {value!r} is not a format string with only an "
+                             f"{{answer}} field ({type(err).__name__}: {err})") from None
+        if "\x00" not in filled:
             raise ValueError(f"algorithm.trace_answer_format = {value!r} has no {{answer}} placeholder")
         return value
 

@@ -117,6 +117,11 @@ def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], samp
     return rewards, adv, batch, advantages, metrics
 
 
+def kl_reference(cfg: Config, session: Session):
+    """The frozen reference for the KL term, None without one (TRACE's reference only scores gold answers)."""
+    return session.ref_model if cfg.algorithm.kl_coef > 0 else None
+
+
 def greedy_eval(rollouts: RolloutSource, engine, problems: list[Problem], prompt_ids: Callable[[Problem], list[int]],
                 max_new_tokens: int, score: Callable) -> tuple[list[list[int]], list, dict[str, float]]:
     """(completion ids, score results, extra eval metrics) of a greedy eval on `problems`: the source's own
@@ -190,7 +195,7 @@ class Trainer:
         with timer("update"):
             ewma = None if self.ewma is None else self.ewma.logprobs(batch, self.sampling, micro)
             update = policy_update(self.s.model, self.s.optimizer, batch, old, advantages, self.sampling,
-                                   self.settings, sample_keep=keep, ref_model=self.s.ref_model, ewma_logprobs=ewma,
+                                   self.settings, sample_keep=keep, ref_model=kl_reference(self.cfg, self.s), ewma_logprobs=ewma,
                                    version=self.state.version,
                                    on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
         if update.entropy is None:

@@ -66,5 +66,6 @@ def token_logprobs_and_entropy(
     picked = torch.gather(logp, -1, token_ids.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         probs = logp.exp()
-        entropy = -torch.where(probs > 0, probs * logp, torch.zeros_like(logp)).sum(-1)
+        # 0 * log 0 = 0 outside the kept set; masking logp itself (not the product) keeps the gradient finite there
+        entropy = -(probs * logp.masked_fill(probs == 0, 0.0)).sum(-1)
     return picked, entropy

@@ -81,9 +81,8 @@ class EpisodeRunner:
             live = [e for e in episodes if not e.done]
             if not live:
                 return
-            outputs = engine.greedy([list(e.prefix()) for e in live], self.limits.turn_tokens)
+            outputs = _greedy_by_limit(engine, live, self.limits.turn_tokens)
             for episode, ids in zip(live, outputs, strict=True):
-                ids = ids[: min(self.limits.turn_tokens, episode.budget)]
                 finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
                 turn = Rollout(episode.group_id, episode.sample_index, list(episode.prefix()), ids, [None] * len(ids),
                                [engine.version] * len(ids), finish)
@@ -109,7 +108,7 @@ class EpisodeRunner:
             text = observation.text
             if observation.error:
                 episode.count_error(observation.error)
-        ids = self.framing.observation_ids(self.tokenizer, text, stopped, self.stop_ids)
+        ids = self.framing.observation_ids(self.tokenizer, text, turn.completion_ids[-1] if turn.completion_ids else None)
         if len(ids) + 1 > episode.budget:  # the observation and at least one token of the next turn
             episode.end = "token_budget"
             return
@@ -222,3 +221,15 @@ class EpisodeRollouts:
             self.engine.close()
         finally:
             self.runner.tools.close()
+
+
+def _greedy_by_limit(engine: RolloutEngine, live: list[Episode], turn_tokens: int) -> list[list[int]]:
+    """Greedy turns of `live` in order, each at most min(turn_tokens, its budget) tokens: one greedy call per
+    distinct limit, so no prompt + limit exceeds what the start-up check allowed (prompt + episode budget)."""
+    limits = [min(turn_tokens, e.budget) for e in live]
+    outputs: list[list[int]] = [[] for _ in live]
+    for limit in sorted(set(limits)):
+        rows = [i for i, n in enumerate(limits) if n == limit]
+        for i, ids in zip(rows, engine.greedy([list(live[i].prefix()) for i in rows], limit), strict=True):
+            outputs[i] = ids[:limit]
+    return outputs

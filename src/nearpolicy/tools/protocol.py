@@ -58,6 +58,10 @@ def parse_tool_call(text: str) -> ToolCall | MalformedCall | None:
         value = json.loads(body)
     except (json.JSONDecodeError, RecursionError):
         return MalformedCall(f"error: the tool call is not valid JSON: {body[:80]!r}")
+    try:  # lone surrogates ("\ud800") decode from JSON but cannot be sent to a server
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return MalformedCall("error: the tool call holds characters that are not valid UTF-8")
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -98,13 +102,16 @@ class ObservationFraming:
             raise ValueError("the chat template's tool message has no closing framing")
         return cls(tuple(_ids(tokenizer, end_of_turn + header, True)), tuple(_ids(tokenizer, footer, True)), max_chars)
 
-    def observation_ids(self, tokenizer, text: str, turn_stopped: bool, stop_ids: frozenset[int]) -> list[int]:
-        """The ids inserted after a turn: the prefix (without its first id when the turn already ended with a stop
-        token and the prefix starts with one: the model sampled it), the tool's text cut to max_chars and tokenised
-        with special tokens split (a tool cannot inject `<|im_end|>`), then the suffix."""
+    def observation_ids(self, tokenizer, text: str, last_id: int | None) -> list[int]:
+        """The ids inserted after a turn whose last sampled id is `last_id` (None: an empty turn): the prefix
+        (without its first id when the turn already ended with exactly that id, e.g. `<|im_end|>`: the model sampled
+        it; a turn that ended on another stop id, or was cut, gets the whole prefix, so the transcript keeps the
+        template), the tool's text cut to max_chars (text that is not valid UTF-8 has its bad characters replaced)
+        and tokenised with special tokens split (a tool cannot inject `<|im_end|>`), then the suffix."""
+        text = text.encode("utf-8", "replace").decode("utf-8")
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + " ...[truncated]"
-        prefix = self.prefix[1:] if turn_stopped and self.prefix and self.prefix[0] in stop_ids else self.prefix
+        prefix = self.prefix[1:] if self.prefix and last_id is not None and self.prefix[0] == last_id else self.prefix
         return [*prefix, *_ids(tokenizer, text, False), *self.suffix]
 
 
