@@ -70,11 +70,16 @@ def test_a_continued_turn_samples_what_a_fresh_prefill_samples(engines, tiny_mod
     for a, b in zip(r1, f1):  # the first turns: the same prefill
         assert a.completion_ids == b.completion_ids and a.rollout_logprobs == b.rollout_logprobs
     model = load_policy(str(tiny_model_dir))[0]
-    for a, b in zip(r2, f2):  # the cache computed while sampling vs a prefill: rounding (measured <= 1.3e-4 nats on
-        assert a.completion_ids == b.completion_ids and a.finish_reason == b.finish_reason  # this random model, whose
-        np.testing.assert_allclose(a.rollout_logprobs, b.rollout_logprobs, atol=5e-4, rtol=0)  # own mismatch is 2e-3)
+    # The continued turns, teacher-forced through the fresh engine (a prefill of the whole prefix): the cache kept
+    # while sampling differs from a prefill only by rounding (measured <= 1.3e-4 nats on this random model, whose own
+    # mismatch is 2e-3). The sampled ids are not compared: on a near-uniform random model a 1e-4 rounding moves the
+    # inverse-CDF draw to a neighbouring id (seen under 2 threads: 32195 vs 32196).
+    assert len(r2) == len(f2) == len(prompts)
+    for a in r2:
+        prefilled = np.array(fresh.score(list(a.prompt_ids), a.completion_ids, sampling))
+        np.testing.assert_allclose(a.rollout_logprobs, prefilled, atol=5e-4, rtol=0)
         trainer = _trainer_logprobs(model, a.prompt_ids, a.completion_ids)
-        off = [np.abs(np.array(r.rollout_logprobs) - trainer).max() for r in (a, b)]
+        off = [np.abs(lp - trainer).max() for lp in (np.array(a.rollout_logprobs), prefilled)]
         assert off[0] <= off[1] + 2e-4  # no further from the trainer than the fresh prefill
     assert all("prefill_reused" not in r.extras for r in r1 + f1 + f2)  # a first turn and the fresh engine: none
     for p, first, second in zip(prompts, r1, r2):  # every id the first turn's cache holds, the last sampled excluded
