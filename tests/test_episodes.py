@@ -11,7 +11,6 @@ import copy
 import json
 import math
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from nearpolicy.rollouts.episodes import EpisodeLimits, EpisodeRunner, episode_m
 from nearpolicy.tools.client import Observation, ToolClient
 from nearpolicy.tools.protocol import MalformedCall, ObservationFraming, ToolCall, parse_tool_call
 from nearpolicy.types import Rollout, SamplingParams
+from test_tools import CRASHY  # an MCP server with crash, hang and echo tools
 
 STOP = frozenset({0, 2, 4})  # SmolLM2's end-of-generation ids
 TOOL_HEADER = [1, 19324, 198]  # "<|im_start|>tool\n"
@@ -230,24 +230,7 @@ def test_a_resumed_partial_episode_keeps_its_masks_and_versions(tok, framing, pr
         Episode.from_dict(bad)
 
 
-CRASHY = textwrap.dedent('''
-    import os
-    from mcp.server import MCPServer
-    server = MCPServer("crashy", log_level="WARNING")
 
-    @server.tool()
-    def crash() -> str:
-        """Exit the server process."""
-        os._exit(3)
-
-    @server.tool()
-    def echo(text: str) -> str:
-        """Echo the text."""
-        return text
-
-    if __name__ == "__main__":
-        server.run("stdio")
-''')
 
 
 def test_an_mcp_server_that_dies_mid_episode_is_an_error_observation_and_the_episode_goes_on(tok, framing, prompt,

@@ -25,6 +25,7 @@ import torch
 from nearpolicy.engines.base import RolloutEngine
 from nearpolicy.ops.diagnostics import mismatch_by_turn
 from nearpolicy.rollouts.base import StepSamples
+from nearpolicy.rollouts.inline import InlineRollouts
 from nearpolicy.rollouts.episode_state import Episode, error_counts
 from nearpolicy.tasks import Problem, Task
 from nearpolicy.tools.protocol import MalformedCall, ObservationFraming, parse_tool_call
@@ -142,28 +143,23 @@ def episode_metrics(episodes: list[Episode], prefix: str = "episode") -> dict[st
     return out
 
 
-class EpisodeRollouts:
+class EpisodeRollouts(InlineRollouts):
     """A RolloutSource (rollouts/base.py) of tool-use episodes: each step prompts_per_step problems x group_size
-    episodes on `engine` (weights from `weights()`, as InlineRollouts). `prompt_ids` templates a problem with the
-    episode's system prompt and worked example; `plain_prompt_ids` without them (the no-tool eval, when
-    `eval_without_tool`, greedy, `plain_tokens` new tokens). `tools` is closed with the source."""
+    episodes on `engine` (start, publish, eval_engine and state_dict as InlineRollouts). `prompt_ids` templates a
+    problem with the episode's system prompt and worked example; `plain_prompt_ids` without them (the no-tool eval,
+    when `eval_without_tool`, greedy, `plain_tokens` new tokens). `tools` is closed with the source."""
 
     def __init__(self, engine: RolloutEngine, weights: Callable[[], object], task: Task,
                  prompt_ids: Callable[[Problem], list[int]], plain_prompt_ids: Callable[[Problem], list[int]],
                  runner: EpisodeRunner, sampling: SamplingParams, group_size: int, prompts_per_step: int, seed: int,
                  eval_without_tool: bool = True, plain_tokens: int = 64):
-        self.engine, self.weights, self.task, self.runner = engine, weights, task, runner
-        self.prompt_ids, self.plain_prompt_ids = prompt_ids, plain_prompt_ids
-        self.sampling, self.group_size, self.prompts_per_step, self.seed = sampling, group_size, prompts_per_step, seed
+        super().__init__(engine, weights, task, prompt_ids, sampling, group_size, prompts_per_step, seed)
+        self.runner, self.plain_prompt_ids = runner, plain_prompt_ids
         self.eval_without_tool, self.plain_tokens = eval_without_tool, plain_tokens
         self._turns: list[list[int]] = []  # turn_index of each row of the last collect, in collect order
 
-    def start(self, version: int, data_position: int, state: dict | None) -> None:
-        if self.engine.version != version:  # resumed weights
-            self.publish(version)
-
     def collect(self, step: int, version: int, data_position: int) -> StepSamples:
-        problems = {data_position + i: self.task.train_problem(data_position + i) for i in range(self.prompts_per_step)}
+        problems = self.step_problems(data_position)
         episodes = [self.runner.new(gid, k, self.prompt_ids(p)) for gid, p in problems.items()
                     for k in range(self.group_size)]
         seed = lambda turn: int(np.random.SeedSequence([self.seed, step, turn]).generate_state(1)[0])  # noqa: E731
@@ -207,18 +203,9 @@ class EpisodeRollouts:
             metrics["eval/accuracy_no_tool"] = float(np.nanmean(rewards)) if np.isfinite(rewards).any() else float("nan")
         return [r.completion_ids for r in rollouts], results, metrics
 
-    def publish(self, version: int) -> None:
-        self.engine.update_weights(self.weights(), version)
-
-    def eval_engine(self) -> RolloutEngine:
-        return self.engine
-
-    def state_dict(self) -> dict | None:
-        return None
-
     def close(self) -> None:
         try:
-            self.engine.close()
+            super().close()
         finally:
             self.runner.tools.close()
 

@@ -30,8 +30,12 @@ class InlineRollouts:
         if self.engine.version != version:  # resumed weights
             self.publish(version)
 
+    def step_problems(self, data_position: int) -> dict[int, Problem]:
+        """The step's prompts_per_step training problems by group id (= data position)."""
+        return {data_position + i: self.task.train_problem(data_position + i) for i in range(self.prompts_per_step)}
+
     def collect(self, step: int, version: int, data_position: int) -> StepSamples:
-        problems = {data_position + i: self.task.train_problem(data_position + i) for i in range(self.prompts_per_step)}
+        problems = self.step_problems(data_position)
         requests = [GenerationRequest(gid, tuple(self.prompt_ids(p)), self.group_size) for gid, p in problems.items()]
         seed = int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0])
         return StepSamples(self.engine.generate(requests, self.sampling, seed), problems, data_position + len(problems))
