@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nearpolicy.engines.export_rounding import STOCHASTIC_TYPES, check_rounding, dither
 from nearpolicy.engines.gguf_export import QTYPES, tensor_precision as _gguf_precision
 from nearpolicy.engines.precision_map import PrecisionMap
 from nearpolicy.ops.ggml_quant import (
@@ -44,6 +45,8 @@ class _EngineWeight:
     """One weight's engine form, recomputed when the master parameter changes (its in-place version counter)."""
 
     precision: str
+    rounding: str = "nearest"
+    seed: int = 0
     version: int = -1
     dequantized: torch.Tensor | None = None  # [out, in] float32
     mins: torch.Tensor | None = None  # [out, in / 32] float32: q4_1 block minima (q8_1 sum term), else None
@@ -51,20 +54,25 @@ class _EngineWeight:
     def refresh(self, weight: torch.Tensor) -> None:
         if self.version == weight._version and self.dequantized is not None:
             return
-        self.dequantized, self.mins = engine_weight(weight.detach(), self.precision)
+        self.dequantized, self.mins = engine_weight(weight.detach(), self.precision, self.rounding, self.seed)
         self.version = weight._version
 
 
-def engine_weight(weight: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def engine_weight(weight: torch.Tensor, precision: str, rounding: str = "nearest",
+                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The dequantized weight llama.cpp reads for a `precision` GGUF tensor (float32 [out, in], gguf-py's
-    quantize then dequantize, as engines/gguf_export.py writes it), and for q4_1 the block minima m
-    [out, in / 32] (float32; the fp16 `m` of each block_q4_1), else None. Raises ValueError (unknown precision)."""
+    quantize then dequantize, as engines/gguf_export.py writes it under `rounding` seeded by `seed`), and for q4_1
+    the block minima m [out, in / 32] (float32; the fp16 `m` of each block_q4_1), else None. Raises ValueError
+    (unknown precision or rounding)."""
     if precision not in QTYPES:
         raise ValueError(f"unknown GGUF precision {precision!r}; valid: {', '.join(QTYPES)}")
+    check_rounding(rounding, (precision,))
     qtype = QTYPES[precision][0]
     w = np.ascontiguousarray(weight.to("cpu", torch.float32).numpy())
     if precision == "f32":
         return weight.to(torch.float32), None
+    if rounding == "stochastic" and precision in STOCHASTIC_TYPES:
+        w = dither(w, precision, seed)  # the exporter's draw: same seed, same bytes
     packed = gguf.quants.quantize(w, qtype)
     deq = torch.from_numpy(gguf.quants.dequantize(packed, qtype).reshape(w.shape).astype(np.float32))
     mins = None
@@ -123,9 +131,10 @@ class Alignment:
 
 
 def align_model(model: torch.nn.Module, precision: str, tensor_precision: PrecisionMap = (),
-                kv_cache: str = "f16") -> Alignment:
+                kv_cache: str = "f16", rounding: str = "nearest", seed: int = 0) -> Alignment:
     """Make `model` (a transformers llama, float32) compute what a llama.cpp engine on its `precision` export
-    (with `tensor_precision` overrides and a `kv_cache` KV cache, "f16" or "f32") computes; module docstring.
+    (with `tensor_precision` overrides, a `kv_cache` KV cache, "f16" or "f32", and the export's `rounding`
+    seeded by `seed`, engine.export_rounding / run.seed) computes; module docstring.
     Returns the handle that undoes it. Raises ValueError (unknown precision / kv_cache, model not float32, already
     aligned, a scaled RoPE). The dequantized weights are cached by each parameter's in-place version counter
     (torch's default AdamW bumps it; a fused optimizer or a .data copy would not: not supported)."""
@@ -145,7 +154,7 @@ def align_model(model: torch.nn.Module, precision: str, tensor_precision: Precis
         if weight_type == "f32":
             continue
         module = modules[name]
-        state = _EngineWeight(weight_type)
+        state = _EngineWeight(weight_type, rounding, seed)
         patch = _embedding_forward if isinstance(module, torch.nn.Embedding) else _linear_forward
         module.forward = functools.partial(patch, module, state)
         handle._patched.append(module)

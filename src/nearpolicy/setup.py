@@ -91,7 +91,8 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
         from nearpolicy.aligned import align_model
 
         e = cfg.engine
-        aligned = align_model(model, e.precision, tuple(e.tensor_precision.items()), e.kv_cache)
+        aligned = align_model(model, e.precision, tuple(e.tensor_precision.items()), e.kv_cache,
+                              rounding=e.export_rounding, seed=cfg.run.seed)
         log(f"precision alignment: the trainer's forward emulates the {_engine_precision(e)} engine "
             f"({sum(p != 'f32' for p in aligned.precisions.values())} quantized modules, {e.kv_cache} KV cache)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
@@ -198,7 +199,7 @@ def gguf_writer(cfg: Config, session: Session) -> Callable[[Path], Path]:
 
     e = cfg.engine
     return lambda folder: export_model_gguf(session.model, folder, e.precision, tuple(e.tensor_precision.items()),
-                                            session.template_gguf, session.tokenizer)
+                                            session.template_gguf, session.tokenizer, e.export_rounding, cfg.run.seed)
 
 
 def engine_weights(cfg: Config, session: Session) -> Callable[[], object]:

@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 import torch
 
+from nearpolicy.engines.export_rounding import STOCHASTIC_TYPES, check_rounding, dither
 from nearpolicy.engines.precision_map import PrecisionMap, precision_for, selector_matches, validate_selector
 
 _Q = gguf.GGMLQuantizationType
@@ -72,21 +73,24 @@ def export_gguf(
     tokenizer: Any = None,
     embedding_precision: str | None = None,
     tensor_precision: PrecisionMap = (),
+    rounding: str = "nearest",
+    rounding_seed: int = 0,
 ) -> ExportReport:
     """Write `state_dict` (HF llama names, any float dtype, [out, in] weights) as a GGUF at `precision`.
 
     `config` is the HF LlamaConfig; `template_gguf` a llama GGUF whose general.* / tokenizer.* fields (and tensor
     order, when it has the same tensors) are copied; without one, `tokenizer` (an HF fast byte-level BPE tokenizer)
     provides the tokenizer metadata. Re-exporting a GGUF's own dequantized weights at its own types reproduces it
-    byte for byte. `embedding_precision`
-    (default: `precision`) applies to token_embd / output, e.g. "q8_0" with "q4_1" as llama.cpp's quantizer does.
-    `tensor_precision` (selector, precision) pairs override both per tensor (engines/precision_map.py).
-    Raises ValueError (unknown precision, unknown tensor name, non-llama template), NotImplementedError
+    byte for byte. `embedding_precision` (default: `precision`) applies to token_embd / output, e.g. "q8_0" with
+    "q4_1" as llama.cpp's quantizer does. `tensor_precision` (selector, precision) pairs override both per tensor
+    (engines/precision_map.py). `rounding`: "nearest" or "stochastic" with `rounding_seed` (export_rounding.py).
+    Raises ValueError (unknown precision or rounding, unknown tensor name, non-llama template), NotImplementedError
     (rope scaling, a tokenizer this exporter cannot describe); on any error `out_path` is left untouched.
     """
     for p in (precision, embedding_precision or precision, *(p for _, p in tensor_precision)):
         if p not in QTYPES:
             raise ValueError(f"unknown GGUF precision {p!r}; valid: {', '.join(PRECISIONS)}")
+    check_rounding(rounding, {precision, embedding_precision or precision, *(p for _, p in tensor_precision)})
     ftype = QTYPES[precision][1]
     out_path = Path(out_path)
     start = time.perf_counter()
@@ -100,7 +104,11 @@ def export_gguf(
         default = (embedding_precision or precision) if name in _EMBEDDING else precision
         return QTYPES[precision_for(name, default, tensor_precision)][0]
 
-    for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype_of, tensor_order, report):
+    def gridded(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:  # what gguf-py rounds to nearest
+        stochastic = rounding == "stochastic" and (t := qtype.name.lower()) in STOCHASTIC_TYPES
+        return dither(w, t, rounding_seed) if stochastic else w
+
+    for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype_of, gridded, tensor_order, report):
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
     for selector, _ in tensor_precision:  # a selector that picks nothing is a typo or the wrong model
         if not any(selector_matches(selector, name) for name in report.tensor_types):
@@ -115,16 +123,16 @@ def export_gguf(
 
 
 def export_model_gguf(model: torch.nn.Module, folder: Path, precision: str, tensor_precision: PrecisionMap,
-                      template_gguf: Path | None, tokenizer: Any) -> Path:
+                      template_gguf: Path | None, tokenizer: Any, rounding: str = "nearest", seed: int = 0) -> Path:
     """Write `model`'s current weights as `folder`/policy-<precision>.gguf (`export_gguf` with `tensor_precision`
-    overrides) and return its path. Raises OSError naming the file when it cannot be written (the file an engine
+    overrides, `rounding` seeded by `seed`) and return its path. Raises OSError naming the file when it cannot be written (the file an engine
     holds is untouched: the write is atomic), else what `export_gguf` raises."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"policy-{precision}.gguf"
     state = {k: v.detach() for k, v in model.state_dict().items()}
     try:
         export_gguf(state, model.config, path, precision, template_gguf, tokenizer=tokenizer,
-                    tensor_precision=tuple(tensor_precision))
+                    tensor_precision=tuple(tensor_precision), rounding=rounding, rounding_seed=seed)
     except OSError as err:
         kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not created"
         raise OSError(err.errno, f"could not write the engine GGUF {path} ({err.strerror or err}); {kept}") from err
@@ -227,6 +235,7 @@ def _convert_tensors(
     state_dict: dict[str, torch.Tensor],
     config: Any,
     qtype_of: Callable[[str], gguf.GGMLQuantizationType],
+    gridded: Callable[[np.ndarray, gguf.GGMLQuantizationType], np.ndarray],
     template_order: tuple[str, ...],
     report: ExportReport,
 ) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
@@ -242,19 +251,19 @@ def _convert_tensors(
             continue
         if hf_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             continue
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
+        if (name := name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))) is None:
             raise ValueError(f"cannot map tensor {hf_name!r} to a llama GGUF tensor name")
-        w = tensor.detach().to("cpu", torch.float32).numpy()
+        w = np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy())
+        t = qtype_of(name) if w.ndim >= 2 else _Q.F32
+        if w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
+            t = _Q.F16
+            report.fallback_f16.append(name)
+        w = gridded(w, t)  # in the trainer's layout (aligned.py rounds the same array); rows: permutation-safe
         if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             w = _permute(w, n_head)
         elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             w = _permute(w, n_kv)
         w = np.ascontiguousarray(w, dtype=np.float32)
-        t = qtype_of(name) if w.ndim >= 2 else _Q.F32
-        if w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
-            t = _Q.F16
-            report.fallback_f16.append(name)
         out.append((name, gguf.quants.quantize(w, t), t))
         report.tensor_types[name] = t.name
     if sorted(template_order) == sorted(n for n, _, _ in out):
