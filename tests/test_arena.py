@@ -133,7 +133,7 @@ class FakeTrain:
         if isinstance(outcome, Exception):
             raise outcome
         k3 = K3[cell.split("/")[1]]
-        rows = [_row(0, 0.5), _row(1, 0.6, k3[0], rejected=0.1, high=0.2), _row(2, FINAL[cell], k3[1], high=0.4)]
+        rows = [_row(0, 0.5), _row(1, 0.6, k3[0], rejected=0.1, high=0.2), _row(2, FINAL.get(cell, 0.5), k3[1], high=0.4)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return outcome
 
@@ -196,9 +196,21 @@ def test_a_changed_arena_is_refused_naming_what_changed(tmp_path):
                          out=tmp_path / "out")
     with pytest.raises(ArenaError, match=r"changed: cell tis/q8/s0: correction.upper 3.0 -> 4.0"):
         ArenaState.open(changed.out, changed)
+    fewer = load_arena(_arena(tmp_path, ARENA.replace("seeds = [0, 1]", "seeds = [0]")), out=tmp_path / "out")
+    with pytest.raises(ArenaError, match=r"4 cell\(s\) removed: off/q8/s1"):
+        ArenaState.open(fewer.out, fewer)
+
+
+def test_cells_added_to_an_arena_join_as_pending_and_the_done_ones_stay_done(tmp_path):
+    """A wider grid (another seed here; the shipped files' commented arms) continues the arena: finished cells are
+    not run again, the new ones run."""
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    train = FakeTrain({})
+    assert run_arena(spec, say=lambda _: None, train=train) == 0 and len(train.calls) == 8
     more = load_arena(_arena(tmp_path, ARENA.replace("seeds = [0, 1]", "seeds = [0, 1, 2]")), out=tmp_path / "out")
-    with pytest.raises(ArenaError, match=r"4 cell\(s\) added: off/q8/s2"):
-        ArenaState.open(more.out, more)
+    assert run_arena(more, say=lambda _: None, train=train) == 0
+    assert sorted(c for c, _ in train.calls[8:]) == sorted(c.id for c in more.cells if c.id.endswith("/s2"))
+    assert ArenaState.open(more.out, more).counts()["done"] == 12
 
 
 def test_a_key_added_to_the_schema_since_the_start_counts_as_its_default(tmp_path):
@@ -256,13 +268,24 @@ def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
     assert main(["arena", str(tmp_path / "missing.toml")]) == 2
 
 
-@pytest.mark.parametrize("name,cells", [("arena", 24), ("arena-staleness", 18), ("arena-mc-grpo", 12)])
+@pytest.mark.parametrize("name,cells", [("arena", 24), ("arena-staleness", 18), ("arena-mc-grpo", 12),
+                                        ("arena-aligned", 9)])
 def test_the_shipped_arenas_load_with_at_least_three_seeds(name, cells):
     spec = load_arena(Path(__file__).resolve().parent.parent / "configs" / f"{name}.toml")
     assert len(spec.cells) == cells and len(spec.seeds) >= 3
     cfg = spec.cells[0].config
     assert (cfg.run.steps, cfg.algorithm.prompts_per_step, cfg.sampling.max_new_tokens, cfg.task.eval_size) == (
         12, 4, 32, 64)
+
+
+def test_the_alignment_arena_aligns_its_arms_to_the_engine_it_samples_with():
+    spec = load_arena(Path(__file__).resolve().parent.parent / "configs" / "arena-aligned.toml")
+    arms = {c.id.split("/")[0]: c.config for c in spec.cells if c.id.endswith("/s0")}
+    assert {k: (c.algorithm.precision_alignment, c.engine.export_rounding, c.correction.preset)
+            for k, c in arms.items()} == {"tis": ("off", "nearest", "tis"), "aligned": ("engine", "nearest", "tis"),
+                                          "aligned_sr": ("engine", "stochastic", "tis")}
+    assert all(c.engine.precision == "q4_1" and dict(c.engine.tensor_precision) == {"embeddings": "q8_0"}
+               for c in arms.values())
 
 
 def test_eta_from_the_running_cells_pace_then_from_finished_cells(tmp_path):

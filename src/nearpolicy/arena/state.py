@@ -7,8 +7,9 @@ renamed over the old one) after every change, so a kill at any moment leaves the
 A cell's status: pending (never started), running (started; a kill left it so), done, diverged (the run failed
 with non-finite steps or weights: a result, kept), failed (an infrastructure failure: the engine died, the run
 could not start, an unexpected error; tried again on the next start), stopped (SIGINT / SIGTERM; continued on the
-next start). done and diverged cells are final: never run again. A state whose arena differs from the arena being
-started (any cell added, removed or with a different config) is refused, naming what changed."""
+next start). done and diverged cells are final: never run again. Cells added to the arena since (a wider grid:
+another correction, source or seed) join as pending; a state whose arena differs otherwise (a cell removed or with
+a different config, another base) is refused, naming what changed."""
 
 from __future__ import annotations
 
@@ -66,15 +67,14 @@ def _default_config() -> dict:
 
 
 def describe_changes(old: dict, new: dict, limit: int = 6) -> list[str]:
-    """What differs between two fingerprints, one line each (at most `limit` lines, then a count). A key the old
-    fingerprint lacks counts as unchanged when the new value is the schema's default (as a --resume treats it)."""
+    """What differs between two fingerprints, one line each (at most `limit` lines, then a count); cells only in
+    `new` are no change (they join as pending). A key the old fingerprint lacks counts as unchanged when the new
+    value is the schema's default (as a --resume treats it)."""
     lines = []
     if old.get("base") != new.get("base"):
         lines.append(f"arena.base: {old.get('base')} -> {new.get('base')}")
     before, after = old.get("cells", {}), new.get("cells", {})
-    added, removed = [c for c in after if c not in before], [c for c in before if c not in after]
-    if added:
-        lines.append(f"{len(added)} cell(s) added: {', '.join(added[:4])}{' ...' if len(added) > 4 else ''}")
+    removed = [c for c in before if c not in after]
     if removed:
         lines.append(f"{len(removed)} cell(s) removed: {', '.join(removed[:4])}{' ...' if len(removed) > 4 else ''}")
     default = _flat(_default_config())
@@ -116,6 +116,7 @@ class ArenaState:
         if changes:
             raise ArenaError(f"{spec.path} is not the arena {out} was started with; changed: " + "; ".join(changes)
                              + f". Restore it, or give a new --out to run the changed arena")
+        stored |= {cell.id: CellRecord() for cell in spec.cells if cell.id not in stored}  # added cells: pending
         return cls(path, current, stored, seconds)  # the new keys recorded: later changes to them are seen
 
     def save(self) -> None:
