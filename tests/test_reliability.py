@@ -335,6 +335,37 @@ def test_graceful_stop_first_signal_is_a_request_second_aborts_handlers_restored
                                                            "saved (run the same command again to start over)")
 
 
+def test_ctrl_c_whose_keyboardinterrupt_a_finalizer_drops_still_stops_the_startup(monkeypatch):
+    """A real SIGINT while start-up code runs a finalizer (tqdm.__del__ or a weakref callback as transformers'
+    "Loading weights" bar ends): Python drops that KeyboardInterrupt ("Exception ignored in ..."). The start-up
+    still ends with exit 130 and closes the trainer it built, instead of training on (seen in an arena)."""
+    import nearpolicy.trainer
+    from nearpolicy.training_run import build_trainer
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the finalizer
+
+    class Built:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    built, dropped = Built(), []
+
+    def open_trainer(cfg, resume, log):
+        Finalized()  # collected at once: its __del__ gets the Ctrl-C
+        return built
+
+    monkeypatch.setattr(nearpolicy.trainer, "open_trainer", open_trainer)
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+    before = signal.getsignal(signal.SIGINT)
+    assert build_trainer(Config(), False, print) == (None, (130, "interrupted during startup; nothing was trained"))
+    assert [d.exc_type for d in dropped] == [KeyboardInterrupt]  # the interpreter did drop it
+    assert built.closed and signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.parametrize("override, named", [("task.name=no_such_dataset", "no_such_dataset"),
                                              ("distill.teacher='/no/such/teacher.gguf'", "distill.teacher")])
 def test_bad_task_or_teacher_fails_before_the_policy_loads(tmp_path, monkeypatch, override, named):

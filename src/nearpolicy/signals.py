@@ -1,6 +1,7 @@
 """Graceful stop on SIGINT / SIGTERM: the first signal asks the run to stop after the step in progress (which then
 writes a checkpoint of that completed step); a second one aborts at once (KeyboardInterrupt), keeping the last
-checkpoint already on disk."""
+checkpoint already on disk. During start-up (StartupInterrupt) Ctrl-C raises KeyboardInterrupt at once, as usual,
+and is also recorded, so that one raised inside a finalizer (which Python drops) still stops the run."""
 
 from __future__ import annotations
 
@@ -35,6 +36,34 @@ class StopRequested(Exception):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum  # the shell convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class StartupInterrupt:
+    """Context manager for a run's start-up (model loading, engine start: no step to stop after): SIGINT raises
+    KeyboardInterrupt at once, as Python's own handler does, and is also recorded in `signum`. Python drops an
+    exception raised inside a finalizer ("Exception ignored in ...": a __del__ or weakref callback that the garbage
+    collector runs, e.g. tqdm's as transformers' "Loading weights" bar ends), and with it the Ctrl-C, so the caller
+    checks `signum` after the start-up too. Main thread only, and only in place of Python's own SIGINT handler
+    (another one, or SIG_IGN, is left alone)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: object = None
+
+    def __enter__(self) -> "StartupInterrupt":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signum = signum
+        signal.default_int_handler(signum, frame)
 
 
 class GracefulStop:

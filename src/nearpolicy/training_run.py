@@ -13,23 +13,31 @@ from nearpolicy.config import Config
 
 def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
     """(Trainer, None), or (None, (exit code, message)) when the run does not start: 2 when it cannot, 0 for a
-    --resume of a finished run (nothing to do)."""
+    --resume of a finished run (nothing to do), 130 for a Ctrl-C (also one whose KeyboardInterrupt was dropped:
+    signals.StartupInterrupt)."""
     from nearpolicy.engines.base import EngineError
     from nearpolicy.runs import RunExistsError, RunFinished
+    from nearpolicy.signals import StartupInterrupt
     from nearpolicy.tasks.scoring import ScoringError
     from nearpolicy.trackers import TrackerError
     from nearpolicy.trainer import open_trainer
 
-    try:
-        return open_trainer(cfg, resume=resume, log=log), None
-    except RunFinished as finished:
-        return None, (0, str(finished))
-    except (RunExistsError, OSError, ValueError, TrackerError, ScoringError) as err:
-        return None, (2, f"error: {err}")
-    except EngineError as err:
-        return None, (2, f"error: {err}\n{engine_advice(cfg)}")
-    except KeyboardInterrupt:  # Ctrl-C while loading: a run folder the attempt created is already removed
-        return None, (130, "interrupted during startup; nothing was trained")
+    interrupted = (130, "interrupted during startup; nothing was trained")
+    with StartupInterrupt() as startup:
+        try:
+            trainer = open_trainer(cfg, resume=resume, log=log)
+        except RunFinished as finished:
+            return None, (0, str(finished))
+        except (RunExistsError, OSError, ValueError, TrackerError, ScoringError) as err:
+            return None, (2, f"error: {err}")
+        except EngineError as err:
+            return None, (2, f"error: {err}\n{engine_advice(cfg)}")
+        except KeyboardInterrupt:  # Ctrl-C while loading: a run folder the attempt created is already removed
+            return None, interrupted
+    if startup.signum is not None:  # a Ctrl-C whose KeyboardInterrupt Python dropped (raised inside a finalizer)
+        trainer.close()
+        return None, interrupted
+    return trainer, None
 
 
 def dry_run(cfg: Config, resume: bool) -> tuple[int, str, str]:
