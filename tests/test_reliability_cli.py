@@ -97,7 +97,7 @@ def test_sigterm_checkpoints_the_last_step_and_resume_reproduces_the_run(referen
     stopped_at = _steps_written(run)[-1]
     assert 1 <= stopped_at < STEPS
     saved = run / "checkpoints" / f"step_{stopped_at:06d}"
-    assert f"stopped by SIGTERM at step {stopped_at}; checkpoint {saved} (continue with --resume)" in err
+    assert f"stopped by SIGTERM at step {stopped_at}; checkpoint {saved} (continue: nearpolicy train --resume {run})" in err
     assert [p.name for p in list_checkpoints(run)] == [saved.name]
     assert _assert_loadable(saved, model)["step"] == stopped_at
     resumed = _train(args + ["--resume"], tmp_path)

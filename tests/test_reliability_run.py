@@ -241,7 +241,7 @@ def test_disk_full_during_the_engine_gguf_export_keeps_checkpoint_and_engine_fil
     assert rc == 1, err
     assert (f"error: [Errno 28] could not write the engine GGUF {run}/engine/policy-q8_0.gguf (No space left on "
             f"device); the previous policy-q8_0.gguf is unchanged at step 1; the last checkpoint "
-            f"{run}/checkpoints/step_000001 is intact (continue with --resume)") in err
+            f"{run}/checkpoints/step_000001 is intact (continue: nearpolicy train --resume {run})") in err
     assert sorted(p.name for p in (run / "engine").iterdir()) == ["llamacpp.log", "policy-q8_0.gguf", "vocab.gguf"]  # no temp
     assert resolve_model(str(run / "engine" / "policy-q8_0.gguf")).kind == "gguf"  # complete, readable
     state = json.loads((run / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
@@ -256,7 +256,7 @@ def test_engine_error_stops_the_run_with_the_checkpoint_named(tiny_gguf_factory,
     rc, err = _cli(tiny_gguf_factory("f32"), tmp_path, capsys)
     assert rc == 1
     assert (f"error: injected engine failure in generate (test hook {CRASH_HOOK}) at step 1; the last checkpoint "
-            f"{tmp_path}/c/checkpoints/step_000001 is intact (continue with --resume)") in err
+            f"{tmp_path}/c/checkpoints/step_000001 is intact (continue: nearpolicy train --resume {tmp_path}/c)") in err
     rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
 
@@ -273,7 +273,8 @@ def test_engine_sigsegv_keeps_the_trainer_and_its_checkpoint_and_resume_continue
     assert rc == 1, err
     assert f"error: engine llamacpp:q8_0 died with SIGSEGV during {said}; last lines of its log:" in err
     assert "Fatal Python error: Segmentation fault" in err  # the child's own stack, from its log
-    assert (f"the last checkpoint {tmp_path}/c/checkpoints/step_000001 is intact (continue with --resume); "
+    assert (f"the last checkpoint {tmp_path}/c/checkpoints/step_000001 is intact (continue: nearpolicy train "
+            f"--resume {tmp_path}/c); "
             "engine.precision and engine.extra_buffers may change on --resume") in err
     assert "try --set engine.precision=f16" in err
     rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
@@ -364,7 +365,7 @@ def test_sigint_mid_step_finishes_the_step_and_checkpoints_it(tiny_model_dir, tm
     with GracefulStop() as stop, pytest.raises(StopRequested) as stopped:
         trainer.fit(stop)
     saved = trainer.run_dir / "checkpoints" / "step_000002"
-    assert str(stopped.value) == f"stopped by SIGINT at step 2; checkpoint {saved} (continue with --resume)"
+    assert str(stopped.value) == f"stopped by SIGINT at step 2; checkpoint {saved} (continue: nearpolicy train --resume {trainer.run_dir})"
     assert stopped.value.exit_code == 130 and len(calls) == 2
     assert list_checkpoints(trainer.run_dir) == [saved]
     assert json.loads((saved / "trainer_state.json").read_text())["step"] == 2

@@ -29,7 +29,8 @@ class StopRequested(Exception):
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        where = (f"checkpoint {checkpoint} (continue with --resume)" if checkpoint
+        where = (f"checkpoint {checkpoint} (continue: nearpolicy train --resume {Path(checkpoint).parent.parent})"
+                 if checkpoint
                  else "no step completed, nothing saved (run the same command again to start over)")
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {where}")
 

@@ -142,7 +142,7 @@ def last_checkpoint_said(run_dir, step: int) -> str:
 
     saved = list_checkpoints(run_dir)
     if saved:
-        return f"the last checkpoint {saved[-1]} is intact (continue with --resume)"
+        return f"the last checkpoint {saved[-1]} is intact (continue: nearpolicy train --resume {run_dir})"
     if step == 0:
         return "no step was completed (run the same command again to start over)"
     return ("no checkpoint was written yet (run again with --resume, which starts over in this folder, or set "
