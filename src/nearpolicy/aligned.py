@@ -176,9 +176,10 @@ def _linear_forward(module: torch.nn.Linear, state: _EngineWeight, x: torch.Tens
     fmt = activation_format(state.precision)
     x_hat = straight_through(x, fake_quant_activation(x, fmt))
     y = F.linear(x_hat, straight_through(module.weight, state.dequantized), module.bias)
-    if state.mins is not None:  # ggml_vec_dot_q4_1_q8_1: + sum_b m_b (s_b - fp16(d_b) sum q_b)
+    if state.mins is not None:  # ggml_vec_dot_q4_1_q8_1: + sum_b m_b (s_b - fp16(d_b) sum q_b), a constant for autograd
         with torch.no_grad():
-            y = y + q8_1_sum_residual(x.detach()) @ state.mins.T
+            block_sum_term = q8_1_sum_residual(x.detach()) @ state.mins.T
+        y = y + block_sum_term  # outside no_grad: y keeps its graph (inside it, q4_1 layers passed no gradient)
     return y
 
 
