@@ -96,3 +96,51 @@ def test_trainer_keeps_the_sampled_token_when_its_own_top_k_set_excludes_it():
     assert lp.item() == pytest.approx(expected, abs=1e-6)
     lp.sum().backward()
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 3] == 0
+
+
+@pytest.mark.parametrize("vocab", [7, 255, 256, 257, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.05])
+def test_full_vocabulary_sampler_logprobs_match_the_transform_at_any_temperature(vocab, temperature):
+    """The two-level float32 sampler (no top-k / top-p) returns the transform's log-prob of the id it drew, within
+    2e-7 nats also at a low temperature (|l / T| in the hundreds: rounding s to float32 would cost 1e-5), and never
+    an id of probability 0 (-inf logits, all the mass in the first or the last, partial, block)."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((24, vocab)) * 3).astype(np.float32)
+    logits[:, ::3] = -np.inf
+    logits[:8, 256:] = -np.inf
+    logits[8:16, : (vocab - 1) // 256 * 256] = -np.inf
+    logits[8:16, -1] = 1.0
+    sp = SamplingParams(temperature=temperature)
+    for seed in range(5):
+        ids, lps = sample_rows(logits, sp, np.random.default_rng(seed))
+        want = np.array([np_transform(row, sp)[i] for row, i in zip(logits, ids)])
+        assert np.isfinite(want).all() and np.abs(lps - want).max() < 2e-7, np.abs(lps - want).max()
+
+
+class _FixedUniform:
+    def __init__(self, u: float):
+        self.u = u
+
+    def random(self, n: int) -> np.ndarray:
+        return np.full(n, self.u)
+
+
+def test_full_vocabulary_sampler_never_draws_a_zero_probability_token_at_a_block_end():
+    """u * Z between a block's float64 cumsum and its pairwise block sum (float rounding): the sampler used to clip
+    to the block's last id, here a -inf logit, and return log-prob -inf."""
+    for seed in range(3000):
+        logits = (np.random.default_rng(seed).standard_normal((1, 512)) * 3).astype(np.float32)
+        logits[0, 255] = -np.inf
+        p = np.exp(logits[0] - logits.max())
+        block, total = p[:256].sum(dtype=np.float64), p.sum(dtype=np.float64)
+        inside = np.cumsum(p[:256], dtype=np.float64)[-1]
+        if inside < block:
+            break
+    else:
+        pytest.skip("no block whose cumsum and pairwise sum differ in these seeds")
+    u = inside / total
+    while u * total < inside:
+        u = np.nextafter(u, 1.0)
+    assert u * total < block  # in the gap
+    ids, lps = sample_rows(logits, SamplingParams(), _FixedUniform(u))
+    assert ids[0] == 254 and lps[0] == pytest.approx(np_transform(logits[0], SamplingParams())[254], abs=1e-7)

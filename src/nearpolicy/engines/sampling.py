@@ -78,17 +78,25 @@ def _sample_full_vocabulary(logits: np.ndarray, temperature: float,
                             rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """sample_rows without top-k / top-p: logits [N, V] -> (ids [N] int64, log-probs [N] float64).
 
-    exp in float32 (the logits are float32: at T = 1 the only rounding is expf's, about 6e-8 relative), sums in
-    float64, two-level inverse CDF: u * Z is located among the V / 256 block sums, then inside one block, instead of
-    a float64 exp and cumsum over all V: 0.42x the time at N = 32, V = 49152 (bench/sampling_cost.py). The log-prob
-    is s_y - m - log Z with s_y in float64: within 2e-8 nats of transformed_log_softmax's at T = 1 and 1e-6 at
-    T != 1 (s = l / T rounded to float32 for the exp); the same uniform per row, so the same ids but where u * Z
-    falls within that rounding of a boundary."""
-    x = np.asarray(logits, np.float32)
-    s = x if temperature == 1.0 else (x.astype(np.float64) / temperature).astype(np.float32)
-    rows, vocab = s.shape
-    m = s.max(axis=1, keepdims=True)
-    p = np.exp(s - m)  # float32 [N, V], max entry 1
+    exp in float32 of s - m (s = l / T, m its row max; float32 logits at T = 1 are subtracted in float32, anything
+    else in float64, so the rounding is relative to s - m, small where the mass is, not to |s|), sums in float64,
+    two-level inverse CDF: u * Z is located among the V / 256 block sums, then inside one block, instead of a
+    float64 exp and cumsum over all V: 0.42x the time at N = 32, V = 49152 (bench/sampling_cost.py). The log-prob
+    is s_y - m - log Z with s_y in float64: within 2e-7 nats of transformed_log_softmax's at any T
+    (tests/test_sampling.py); the same uniform per row, so the same ids but where u * Z falls within that rounding
+    of a boundary. Never a token of probability 0: where u * Z lands between a block's float64 cumsum and its
+    (pairwise) block sum, the block's last token with mass is drawn."""
+    x = np.asarray(logits)
+    if temperature == 1.0 and x.dtype == np.float32:
+        m = x.max(axis=1, keepdims=True)
+        p = np.exp(x - m)  # float32 [N, V], max entry 1
+    else:
+        m = x.max(axis=1, keepdims=True).astype(np.float64) / temperature  # = max of s (rounding is monotone)
+        s = x.astype(np.float64)
+        s /= temperature
+        s -= m
+        p = np.exp(s.astype(np.float32))
+    rows, vocab = x.shape
     starts = np.arange(0, vocab, BLOCK)
     whole = vocab - vocab % BLOCK
     sums = p[:, :whole].reshape(rows, -1, BLOCK).sum(axis=2, dtype=np.float64)  # reduceat is 2-5x slower
@@ -103,6 +111,9 @@ def _sample_full_vocabulary(logits: np.ndarray, temperature: float,
         lo, hi = starts[b], min(starts[b] + BLOCK, vocab)
         before = block_cdf[r, b - 1] if b else 0.0
         inside = before + np.cumsum(p[r, lo:hi], dtype=np.float64)
-        ids[r] = min(lo + int(np.searchsorted(inside, u[r], side="right")), hi - 1)
+        j = int(np.searchsorted(inside, u[r], side="right"))
+        if j == hi - lo:  # past the cumsum's end, still below the block sum: rounding; the block has mass (sums > 0)
+            j = int(np.flatnonzero(p[r, lo:hi])[-1])
+        ids[r] = lo + j
     chosen = x[np.arange(rows), ids].astype(np.float64) / temperature
     return ids, chosen - (m[:, 0].astype(np.float64) + np.log(total))
