@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from nearpolicy.aligned import engine_weight, module_precisions
+from nearpolicy.engines.export_rounding import STOCHASTIC_TYPES
 from nearpolicy.resume import stored_config
 from nearpolicy.models import load_policy
 
@@ -42,6 +43,10 @@ def measure(run_dir: Path, roundings: tuple[str, ...] = ("nearest", "stochastic"
     start = {n: p.detach().clone() for n, p in model.named_parameters() if n in types}
     rows = []
     for rounding in roundings:
+        if rounding == "stochastic" and not set(types.values()) <= set(STOCHASTIC_TYPES):
+            print(f"{run_dir.name}: no stochastic rounding of {sorted(set(types.values()) - set(STOCHASTIC_TYPES))} "
+                  "(engines/export_rounding.py covers q8_0 and q4_1)", flush=True)
+            continue
         before = _engine(start, types, rounding, cfg.run.seed)
         for ckpt in sorted((run_dir / "checkpoints").glob("step_*")):
             trained = load_file(str(ckpt / "model.safetensors"))

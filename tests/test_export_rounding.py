@@ -147,3 +147,34 @@ def test_aligned_forward_with_stochastic_rounding_matches_the_engine(tiny_model_
     mean_bound, max_bound = 0.03, 0.1  # test_aligned.ENGINE_BOUNDS["q4_1"]
     assert aligned.mean() < mean_bound and aligned.max() < max_bound, (aligned.mean(), aligned.max())
     assert aligned.mean() * 4 < plain.mean() and aligned.mean() * 2 < other.mean(), (aligned.mean(), other.mean())
+
+
+def test_erasure_bench_measures_a_q4_0_run_without_stochastic_rows(tiny_model_dir, tmp_path) -> None:
+    """bench/erasure.py on a run whose engine type stochastic rounding does not cover (q4_0): the nearest rows only
+    (it raised ValueError), with the right numbers for an update it can predict (every weight x3)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import erasure
+
+    cfg = config_from_data({"model": {"path": str(tiny_model_dir)}, "engine": {"precision": "q4_0"}})
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    save_file({k: (v * 3 if v.ndim == 2 else v).contiguous() for k, v in weights.items()},
+              str(run / "checkpoints" / "step_000001" / "model.safetensors"))
+    rows = erasure.measure(run)
+    assert [(r["rounding"], r["type"], r["rounding_used_by_run"]) for r in rows] == [("nearest", "q4_0", True)]
+    # x3 scales each block's d by 3 and keeps its q: only the weights whose q4_0 value is 0 keep their engine value
+    zero = np.concatenate([_roundtrip_q4_0(v.numpy()).ravel() == 0 for v in weights.values() if v.ndim == 2])
+    assert rows[0]["moved"] > 0.999 and rows[0]["erased"] == pytest.approx(zero.mean(), abs=1e-4)
+    assert abs(rows[0]["reach"] - 1) < 0.05 and rows[0]["cosine"] > 0.98, rows[0]
+
+
+def _roundtrip_q4_0(w: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(gguf.quants.quantize(w, Q.Q4_0), Q.Q4_0).reshape(w.shape)
