@@ -27,7 +27,7 @@ def summarize(run: Path) -> dict:
     final = next(r for r in steps if r["step"] == last)
     mean = lambda key: statistics.mean(r[key] for r in steps if key in r)  # noqa: E731
     return {"run": run.name, "evals": evals, "best": max(a for _, a in evals), "final": evals[-1][1],
-            "k3_thirds": [statistics.median(t) for t in thirds if t], "k3_last": final["mismatch/k3"],
+            "k3_thirds": [statistics.median(t) if t else None for t in thirds], "k3_last": final["mismatch/k3"],
             "ess_last": final.get("mismatch/ess"), "entropy_last": final.get("entropy"),
             "step_s": mean("time/step"), "update_s": mean("time/update"), "sync_s": mean("time/sync")}
 
@@ -38,7 +38,7 @@ def markdown(summaries: list[dict]) -> str:
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for s in summaries:
         lines.append(f"| {s['run']} | {', '.join(f'{k}: {a:.3f}' for k, a in s['evals'])} | {s['best']:.3f} | "
-                     f"{s['final']:.3f} | {' / '.join(f'{x:.2g}' for x in s['k3_thirds'])} | {s['k3_last']:.3g} | "
+                     f"{s['final']:.3f} | {' / '.join('-' if x is None else f'{x:.2g}' for x in s['k3_thirds'])} | {s['k3_last']:.3g} | "
                      f"{s['ess_last']:.3f} | {s['entropy_last']:.2f} | {s['step_s']:.0f} / {s['update_s']:.0f} / "
                      f"{s['sync_s']:.1f} |")
     return "\n".join(lines)

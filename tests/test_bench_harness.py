@@ -124,3 +124,19 @@ def test_why_paragraphs_are_computed_from_the_run():
     assert "takes 30.0 s of nearpolicy's 40.0 s step" in text and "would be 0.50x TRL's 60.0 s" in text
     assert "Rollout plus weight sync take 9.0 s, against about 30.0 s" in text
     assert profiles._why(res, {"decode_bound_tokens_per_s": 640.0}, []) == []
+
+
+def test_runs_table_keeps_each_k3_third_in_its_column(tmp_path):
+    """A run two steps in: its first third holds no step, shown as '-', so the later thirds stay in their columns
+    (they moved left, the second third read as the first)."""
+    import json
+
+    import runs_table
+
+    rows = [{"step": 0, "eval/accuracy": 0.3}] + [
+        {"step": s, "mismatch/k3": 0.1 * s, "mismatch/ess": 0.9, "entropy": 1.0, "time/step": 2.0, "time/update": 1.0,
+         "time/sync": 0.5} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = runs_table.summarize(tmp_path)
+    assert summary["k3_thirds"] == [None, 0.1, 0.2] and summary["k3_last"] == 0.2
+    assert "| - / 0.1 / 0.2 | 0.2 |" in runs_table.markdown([summary])
