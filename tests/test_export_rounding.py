@@ -178,3 +178,30 @@ def test_erasure_bench_measures_a_q4_0_run_without_stochastic_rows(tiny_model_di
 
 def _roundtrip_q4_0(w: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(w, Q.Q4_0), Q.Q4_0).reshape(w.shape)
+
+
+def test_nearpolicy_export_writes_the_runs_own_stochastic_draw(tiny_model_dir, tmp_path) -> None:
+    """`nearpolicy export` at the run's engine.precision writes the file the run's engine loaded: the stochastic draw
+    of engine.export_rounding seeded by run.seed (it wrote nearest rounding); other precisions stay nearest."""
+    import json
+    import shutil
+
+    from nearpolicy.export import export_run
+
+    cfg = config_from_data({"model": {"path": str(tiny_model_dir)}, "run": {"seed": 7},
+                            "engine": {"precision": "q8_0", "export_rounding": "stochastic"}})
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+    (run / "plan.json").write_text(json.dumps({"stop_token_ids": [2]}))
+    shutil.copytree(tiny_model_dir, run / "checkpoints" / "step_000001")
+    done = export_run(run, ggufs=("q8_0", "q4_1"), log=lambda _: None)
+    from safetensors.torch import load_file
+
+    weight = load_file(str(tiny_model_dir / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
+    for precision, rounding in (("q8_0", "stochastic"), ("q4_1", "nearest")):
+        t = next(t for t in gguf.GGUFReader(done.folder / f"policy-{precision}.gguf").tensors
+                 if t.name == "blk.0.ffn_down.weight")
+        stored = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(weight.shape)
+        assert np.array_equal(stored, engine_weight(weight, precision, rounding, 7)[0].numpy()), precision
+    assert not np.array_equal(engine_weight(weight, "q8_0", "stochastic", 7)[0], engine_weight(weight, "q8_0")[0])

@@ -7,8 +7,9 @@ models.load_policy (a GGUF dequantized to a plain float32 model, which transform
 model.safetensors loaded over it, strictly. The HF folder holds those float32 weights exactly. Each GGUF is written
 by engines/gguf_export.export_model_gguf with the run's GGUF (when model.path is one) as the metadata template, so
 the tokenizer and chat template are the model's own; at the run's engine.precision the run's engine.tensor_precision
-overrides apply too (the file the run's engine would load). Everything is written to a temporary folder beside the
-output and renamed into place, so an output folder is either complete or absent."""
+overrides and engine.export_rounding (seeded by run.seed) apply too (the file the run's engine would load).
+Everything is written to a temporary folder beside the output and renamed into place, so an output folder is either
+complete or absent."""
 
 from __future__ import annotations
 
@@ -100,9 +101,11 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
     try:
         save_hf_folder(model, tokenizer, tmp, read_json_object(run_dir / "plan.json").get("stop_token_ids"))
         names, template = [], resolved.path if resolved.kind == "gguf" else None
-        for precision in ggufs:  # at the run's engine.precision, its per-tensor overrides too
-            overrides = tuple(engine.get("tensor_precision", {}).items()) if precision == engine.get("precision") else ()
-            names.append(export_model_gguf(model, tmp, precision, overrides, template, tokenizer).name)
+        for precision in ggufs:  # at the run's engine.precision, its per-tensor overrides and export rounding too
+            own = precision == engine.get("precision")
+            overrides = tuple(engine.get("tensor_precision", {}).items()) if own else ()
+            rounding = (engine.get("export_rounding", "nearest"), _run_seed(run_dir)) if own else ()
+            names.append(export_model_gguf(model, tmp, precision, overrides, template, tokenizer, *rounding).name)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -123,6 +126,12 @@ def _run_model(run_dir: Path) -> tuple[str, ResolvedModel, dict]:
                                 "current folder)") from None
     engine = read_json_object(run_dir / "config.json").get("engine")
     return spec, resolved, engine if isinstance(engine, dict) else {}
+
+
+def _run_seed(run_dir: Path) -> int:
+    """run.seed of the run's config.json (0 when absent): the seed of its engine.export_rounding draws."""
+    run = read_json_object(Path(run_dir) / "config.json").get("run")
+    return int(run.get("seed", 0)) if isinstance(run, dict) else 0
 
 
 def _model_section(run_dir: Path) -> dict:
