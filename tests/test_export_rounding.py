@@ -205,3 +205,16 @@ def test_nearpolicy_export_writes_the_runs_own_stochastic_draw(tiny_model_dir, t
         stored = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(weight.shape)
         assert np.array_equal(stored, engine_weight(weight, precision, rounding, 7)[0].numpy()), precision
     assert not np.array_equal(engine_weight(weight, "q8_0", "stochastic", 7)[0], engine_weight(weight, "q8_0")[0])
+
+
+def test_align_model_refuses_a_rounding_it_cannot_apply_before_the_first_forward(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with pytest.raises(ValueError, match="covers q8_0, q4_1.*q4_0"):
+        align_model(model, "q4_0", rounding="stochastic")
+    with pytest.raises(ValueError, match="unknown export rounding 'floor'"):
+        align_model(model, "q8_0", rounding="floor")
+    assert getattr(model, "_nearpolicy_alignment", None) is None  # nothing patched: a plain forward
+    with align_model(model, "q4_1", (("embeddings", "q8_0"),), rounding="stochastic"):
+        pass

@@ -135,8 +135,8 @@ def align_model(model: torch.nn.Module, precision: str, tensor_precision: Precis
     """Make `model` (a transformers llama, float32) compute what a llama.cpp engine on its `precision` export
     (with `tensor_precision` overrides, a `kv_cache` KV cache, "f16" or "f32", and the export's `rounding`
     seeded by `seed`, engine.export_rounding / run.seed) computes; module docstring.
-    Returns the handle that undoes it. Raises ValueError (unknown precision / kv_cache, model not float32, already
-    aligned, a scaled RoPE). The dequantized weights are cached by each parameter's in-place version counter
+    Returns the handle that undoes it. Raises ValueError (unknown precision / kv_cache / rounding, a type the rounding
+    does not cover, model not float32, already aligned, a scaled RoPE). The dequantized weights are cached by each parameter's in-place version counter
     (torch's default AdamW bumps it; a fused optimizer or a .data copy would not: not supported)."""
     if kv_cache not in KV_CACHE_TYPES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
@@ -149,6 +149,7 @@ def align_model(model: torch.nn.Module, precision: str, tensor_precision: Precis
     if model.get_input_embeddings().weight.dtype != torch.float32:
         raise ValueError(f"precision alignment needs float32 master weights, got {model.get_input_embeddings().weight.dtype}")
     handle = Alignment(model, module_precisions(model, precision, tensor_precision), kv_cache)
+    check_rounding(rounding, set(handle.precisions.values()))  # now, not at the first forward
     modules = dict(model.named_modules())
     for name, weight_type in handle.precisions.items():
         if weight_type == "f32":
