@@ -91,6 +91,8 @@ def test_stochastic_rounding_refuses_what_it_does_not_cover() -> None:
     with pytest.raises(ConfigError, match="engine.export_rounding.*mxfp4"):
         config_from_data({"engine": {"precision": "q4_1", "export_rounding": "stochastic",
                                      "tensor_precision": {"mlp": "mxfp4"}}})
+    with pytest.raises(ConfigError, match="engine.export_rounding = 'stochastic'.*engine.kind = 'hf' loads no GGUF"):
+        config_from_data({"engine": {"kind": "hf", "export_rounding": "stochastic"}})
     assert config_from_data({"engine": {"precision": "q4_1", "export_rounding": "stochastic",
                                         "tensor_precision": {"embeddings": "q8_0", "blk.0": "f16"}}})
 

@@ -68,6 +68,9 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _rounding_covers_types(self) -> "EngineConfig":
+        if self.export_rounding != "nearest" and self.kind != "llamacpp":
+            raise ValueError(f"engine.export_rounding = {self.export_rounding!r} rounds the llama.cpp engine's GGUF; "
+                             f"engine.kind = {self.kind!r} loads no GGUF (set export_rounding = 'nearest')")
         try:
             check_rounding(self.export_rounding, {self.precision, *self.tensor_precision.values()})
         except ValueError as err:
