@@ -360,10 +360,13 @@ def test_ctrl_c_whose_keyboardinterrupt_a_finalizer_drops_still_stops_the_startu
 
     monkeypatch.setattr(nearpolicy.trainer, "open_trainer", open_trainer)
     monkeypatch.setattr(sys, "unraisablehook", dropped.append)
-    before = signal.getsignal(signal.SIGINT)
-    assert build_trainer(Config(), False, print) == (None, (130, "interrupted during startup; nothing was trained"))
-    assert [d.exc_type for d in dropped] == [KeyboardInterrupt]  # the interpreter did drop it
-    assert built.closed and signal.getsignal(signal.SIGINT) is before
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in `nearpolicy`; an xdist worker has its own
+    try:
+        assert build_trainer(Config(), False, print) == (None, (130, "interrupted during startup; nothing was trained"))
+        assert [d.exc_type for d in dropped] == [KeyboardInterrupt]  # the interpreter did drop it
+        assert built.closed and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 @pytest.mark.parametrize("override, named", [("task.name=no_such_dataset", "no_such_dataset"),
