@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nearpolicy.engines.export_rounding import STOCHASTIC_TYPES, check_rounding, dither
+from nearpolicy.engines.export_rounding import check_rounding, rounding_input
 from nearpolicy.engines.gguf_export import QTYPES, tensor_precision as _gguf_precision
 from nearpolicy.engines.precision_map import PrecisionMap
 from nearpolicy.ops.ggml_quant import (
@@ -71,8 +71,7 @@ def engine_weight(weight: torch.Tensor, precision: str, rounding: str = "nearest
     w = np.ascontiguousarray(weight.to("cpu", torch.float32).numpy())
     if precision == "f32":
         return weight.to(torch.float32), None
-    if rounding == "stochastic" and precision in STOCHASTIC_TYPES:
-        w = dither(w, precision, seed)  # the exporter's draw: same seed, same bytes
+    w = rounding_input(w, precision, rounding, seed)  # the exporter's draw: same seed, same bytes
     packed = gguf.quants.quantize(w, qtype)
     deq = torch.from_numpy(gguf.quants.dequantize(packed, qtype).reshape(w.shape).astype(np.float32))
     mins = None

@@ -70,6 +70,13 @@ def dither(weight: np.ndarray, precision: str, seed: int) -> np.ndarray:
     return moved.reshape(x.shape)
 
 
+def rounding_input(weight: np.ndarray, precision: str, rounding: str, seed: int) -> np.ndarray:
+    """What gguf-py's round-to-nearest quantizer is handed for `weight` (float32 [..., in], the trainer's layout)
+    at `precision` under `rounding`: the dithered array for "stochastic" on a STOCHASTIC_TYPES tensor, else
+    `weight` itself. The GGUF exporter and the aligned forward both call this, so they round alike."""
+    return dither(weight, precision, seed) if rounding == "stochastic" and precision in STOCHASTIC_TYPES else weight
+
+
 def _block_reduce(blocks: np.ndarray, op: np.ufunc) -> np.ndarray:
     """op over each row of [n, 32] as a halving tree ([n, 1]): numpy's axis-1 reductions of 32 values are ~3x slower."""
     out = op(blocks[:, :16], blocks[:, 16:])

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from nearpolicy.engines.export_rounding import STOCHASTIC_TYPES, check_rounding, dither
+from nearpolicy.engines.export_rounding import check_rounding, rounding_input
 from nearpolicy.engines.precision_map import PrecisionMap, precision_for, selector_matches, validate_selector
 
 _Q = gguf.GGMLQuantizationType
@@ -105,8 +105,7 @@ def export_gguf(
         return QTYPES[precision_for(name, default, tensor_precision)][0]
 
     def gridded(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:  # what gguf-py rounds to nearest
-        stochastic = rounding == "stochastic" and (t := qtype.name.lower()) in STOCHASTIC_TYPES
-        return dither(w, t, rounding_seed) if stochastic else w
+        return rounding_input(w, qtype.name.lower(), rounding, rounding_seed)
 
     for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype_of, gridded, tensor_order, report):
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
