@@ -101,10 +101,11 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
     try:
         save_hf_folder(model, tokenizer, tmp, read_json_object(run_dir / "plan.json").get("stop_token_ids"))
         names, template = [], resolved.path if resolved.kind == "gguf" else None
+        seed = int(_config_section(run_dir, "run").get("seed", 0))  # of the run's engine.export_rounding draws
         for precision in ggufs:  # at the run's engine.precision, its per-tensor overrides and export rounding too
             own = precision == engine.get("precision")
             overrides = tuple(engine.get("tensor_precision", {}).items()) if own else ()
-            rounding = (engine.get("export_rounding", "nearest"), _run_seed(run_dir)) if own else ()
+            rounding = (engine.get("export_rounding", "nearest"), seed) if own else ()
             names.append(export_model_gguf(model, tmp, precision, overrides, template, tokenizer, *rounding).name)
         _move_into_place(tmp, out)
     except BaseException:
@@ -124,20 +125,18 @@ def _run_model(run_dir: Path) -> tuple[str, ResolvedModel, dict]:
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err} (read from {run_dir / 'config.json'}; a relative path is taken from the "
                                 "current folder)") from None
-    engine = read_json_object(run_dir / "config.json").get("engine")
-    return spec, resolved, engine if isinstance(engine, dict) else {}
-
-
-def _run_seed(run_dir: Path) -> int:
-    """run.seed of the run's config.json (0 when absent): the seed of its engine.export_rounding draws."""
-    run = read_json_object(Path(run_dir) / "config.json").get("run")
-    return int(run.get("seed", 0)) if isinstance(run, dict) else 0
+    return spec, resolved, _config_section(run_dir, "engine")
 
 
 def _model_section(run_dir: Path) -> dict:
     """The [model] section of the run's config.json ({} when absent or not a table)."""
-    model = read_json_object(Path(run_dir) / "config.json").get("model")
-    return model if isinstance(model, dict) else {}
+    return _config_section(run_dir, "model")
+
+
+def _config_section(run_dir: Path, name: str) -> dict:
+    """The [name] section of the run's config.json ({} when absent or not a table)."""
+    section = read_json_object(Path(run_dir) / "config.json").get(name)
+    return section if isinstance(section, dict) else {}
 
 
 def trained_policy(spec: str, checkpoint: Path):
