@@ -136,8 +136,8 @@ def test_full_vocabulary_sampler_never_draws_a_zero_probability_token_at_a_block
         inside = np.cumsum(p[:256], dtype=np.float64)[-1]
         if inside < block:
             break
-    else:
-        pytest.skip("no block whose cumsum and pairwise sum differ in these seeds")
+    else:  # deterministic seeds (seed 376 on the AMX Xeon): a silent skip would leave the case untested
+        raise AssertionError("no block whose cumsum and pairwise sum differ in 3000 seeds: the case is not reached")
     u = inside / total
     while u * total < inside:
         u = np.nextafter(u, 1.0)
