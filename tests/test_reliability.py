@@ -446,3 +446,18 @@ def test_resume_is_refused_before_loading_when_metrics_are_damaged(tmp_path):
         resume.check_resume(run, Config(), {"kind": "reasoning_gym"})
     _metrics_file(run, '{"step": 0}\n{"step": 1, "x": 0.5}\n{"step": 2, "x"')  # a kill's cut-short line: resumable
     resume.check_resume(run, Config(), {"kind": "reasoning_gym"})
+
+
+def test_resume_command_names_the_program_the_user_can_type(monkeypatch, tmp_path):
+    from nearpolicy import signals
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(signals.shutil, "which", lambda name: None)
+    monkeypatch.setattr(signals.sys, "argv", [str(tmp_path / ".venv/bin/nearpolicy"), "train"])
+    assert signals.resume_command("runs/a") == ".venv/bin/nearpolicy train --resume runs/a"
+    monkeypatch.setattr(signals.sys, "argv", ["/opt/np/bin/nearpolicy"])
+    assert signals.resume_command("runs/a") == "/opt/np/bin/nearpolicy train --resume runs/a"
+    monkeypatch.setattr(signals.shutil, "which", lambda name: "/opt/np/bin/nearpolicy")
+    assert signals.resume_command("runs/a") == "nearpolicy train --resume runs/a"
+    monkeypatch.setattr(signals.sys, "argv", ["/x/nearpolicy/__main__.py"])  # python -m nearpolicy
+    assert signals.resume_command("runs/a") == "nearpolicy train --resume runs/a"

@@ -5,12 +5,24 @@ and is also recorded, so that one raised inside a finalizer (which Python drops)
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import sys
 import threading
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def resume_command(run_dir: Path | str) -> str:
+    """The command that continues `run_dir`, as the user can type it: `nearpolicy train --resume RUN_DIR`, or with
+    the path the program was started by (e.g. `.venv/bin/nearpolicy`) when `nearpolicy` is not on PATH."""
+    started = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("nearpolicy")
+    program = "nearpolicy"
+    if started.name == "nearpolicy" and shutil.which("nearpolicy") is None:
+        program = os.path.relpath(started) if started.is_relative_to(Path.cwd()) else str(started)
+    return f"{program} train --resume {run_dir}"
 
 
 def exit_description(exitcode: int | None) -> str:
@@ -29,7 +41,7 @@ class StopRequested(Exception):
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        where = (f"checkpoint {checkpoint} (continue: nearpolicy train --resume {Path(checkpoint).parent.parent})"
+        where = (f"checkpoint {checkpoint} (continue: {resume_command(Path(checkpoint).parent.parent)})"
                  if checkpoint
                  else "no step completed, nothing saved (run the same command again to start over)")
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {where}")

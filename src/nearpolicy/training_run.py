@@ -139,10 +139,11 @@ def accuracy_said(run_dir) -> str:
 def last_checkpoint_said(run_dir, step: int) -> str:
     """What an interrupted or failed run at `step` (completed steps) tells the user about its checkpoints."""
     from nearpolicy.runs import list_checkpoints
+    from nearpolicy.signals import resume_command
 
     saved = list_checkpoints(run_dir)
     if saved:
-        return f"the last checkpoint {saved[-1]} is intact (continue: nearpolicy train --resume {run_dir})"
+        return f"the last checkpoint {saved[-1]} is intact (continue: {resume_command(run_dir)})"
     if step == 0:
         return "no step was completed (run the same command again to start over)"
     return ("no checkpoint was written yet (run again with --resume, which starts over in this folder, or set "
