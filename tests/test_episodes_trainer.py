@@ -3,17 +3,20 @@ llama (conftest.py) on the fp32 hf engine, whose log-probs equal the trainer's, 
 first turn a calculator call (its log-probs the engine's own, by teacher forcing); later turns are the model's.
 With the observation tokens masked out at the right places, the per-turn mismatch is numerical noise in every turn;
 a misaligned mask would put the tool's tokens, or shifted ones, against the engine's log-probs. The reward reads
-only the last turn: the tool's answer (391) in the transcript earns nothing."""
+only the last turn: the tool's answer (391) in the transcript earns nothing. The same on the asynchronous llama.cpp
+replicas (rollout.engines = 1, partial rollouts): the replica process runs the episodes and their tool calls."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict, dataclass
 
 import pytest
 import torch
 
 from nearpolicy.config import load_config
+from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.rollouts.episodes import EpisodeRollouts
 from nearpolicy.tasks.base import Problem
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
@@ -38,9 +41,10 @@ class FirstTurnCalls:
     def version(self):
         return self.engine.version
 
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int) -> list[Rollout]:
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int,
+                 **interrupt) -> list[Rollout]:
         own = [r for r in requests if _tool_messages(r.prompt_ids) > 1]
-        sampled = iter(self.engine.generate(own, sampling, seed) if own else [])
+        sampled = iter(self.engine.generate(own, sampling, seed, **interrupt) if own else [])
         out = []
         for r in requests:
             if _tool_messages(r.prompt_ids) > 1:
@@ -62,6 +66,17 @@ class FirstTurnCalls:
         return getattr(self.engine, name)
 
 
+@dataclass(frozen=True)
+class FirstTurnCallsSpec(EngineSpec):
+    """An engine replica's EngineSpec whose engine is FirstTurnCalls over the llama.cpp engine (module-level: the
+    replica process unpickles it)."""
+
+    call_ids: tuple[int, ...] = ()
+
+    def open(self):
+        return FirstTurnCalls(super().open(), list(self.call_ids))
+
+
 class ToolAnswerTask:
     """The run's task, scored 1 when the response holds the tool's answer 391 (module-level: the scoring process
     unpickles it)."""
@@ -79,10 +94,13 @@ class ToolAnswerTask:
 
 
 @pytest.mark.slow
-def _two_steps(tiny_model_dir, tmp_path, extra: list[str] = ()):
-    """Two Trainer steps + an eval of a tool-use run on the tiny model (hf engine, the real tool server), the first
-    turn of every episode scripted to call the calculator: (step rows, eval metrics, the call / observation ids)."""
+def _two_steps(model_path, tmp_path, extra: list[str] = (), replicas: bool = False):
+    """Two Trainer steps + an eval of a tool-use run on the tiny model `model_path` (hf engine, the real tool
+    server), the first turn of every episode scripted to call the calculator: (step rows, eval metrics, the call /
+    observation ids). `replicas`: on one asynchronous f32 llama.cpp replica with partial rollouts, scripted the same
+    way (FirstTurnCallsSpec), the tool server in the replica's process."""
     from nearpolicy import setup
+    from nearpolicy.rollouts.episode_replicas import EpisodeReplicaRollouts
     from nearpolicy.trainer import open_trainer
 
     from nearpolicy.tools.protocol import ObservationFraming
@@ -95,18 +113,25 @@ def _two_steps(tiny_model_dir, tmp_path, extra: list[str] = ()):
         call_ids = seen["call"] = session.tokenizer.encode(CALL, add_special_tokens=False) + [2]
         seen["observation"] = ObservationFraming.from_template(session.tokenizer).observation_ids(
             session.tokenizer, "391", 2)
-        engine = FirstTurnCalls(setup.build_engine(cfg, session), call_ids)
-        return session, setup.build_rollouts(cfg, session, engine, log)
+        engine = setup.build_engine(cfg, session)
+        source = setup.build_rollouts(cfg, session, engine if replicas else FirstTurnCalls(engine, call_ids), log)
+        if replicas:
+            replica = source.spec_for
+            source.spec_for = lambda path, version: FirstTurnCallsSpec(**asdict(replica(path, version)),
+                                                                      call_ids=tuple(call_ids))
+        return session, source
 
-    cfg = load_config(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'", "run.name=tools",
+    engine = (["engine.precision=f32", "rollout.engines=1", "rollout.staleness=1", "rollout.partial=true",
+               "rollout.engine_threads=1"] if replicas else ["engine.kind=hf"])
+    cfg = load_config(None, [f"model.path='{model_path}'", f"run.output_dir='{tmp_path}'", "run.name=tools",
                              "run.steps=2", "run.threads=1", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
                              "algorithm.micro_batch_size=4", "sampling.max_new_tokens=6", "task.eval_size=2",
                              "task.train_size=50", "logging.tensorboard=false", "logging.progress=false",
-                             "model.max_context=512", "engine.kind=hf", "episode.enabled=true", "episode.max_turns=2",
-                             "episode.max_tokens=100", "episode.turn_tokens=40", *extra])
+                             "model.max_context=512", "episode.enabled=true", "episode.max_turns=2",
+                             "episode.max_tokens=100", "episode.turn_tokens=40", *engine, *extra])
     trainer = open_trainer(cfg, log=lambda _: None, build=build)
     try:
-        assert isinstance(trainer.rollouts, EpisodeRollouts)
+        assert isinstance(trainer.rollouts, EpisodeReplicaRollouts if replicas else EpisodeRollouts)
         rows = []
         for _ in range(2):
             rows.append(trainer.train_step())
@@ -174,3 +199,22 @@ def test_turn_credit_and_the_observation_loss_run_in_the_trainer(tiny_model_dir,
         assert row["actor/observation_loss"] > 5  # the tiny random model: about log V per observation token
         assert math.isfinite(row["actor/loss"]) and row["turn1/episodes"] == 8
         assert any(key.startswith("turn_credit/") for key in row), sorted(row)
+
+
+@pytest.mark.slow
+def test_two_steps_of_tool_use_episodes_on_an_asynchronous_replica(tiny_gguf_factory, tmp_path):
+    """rollout.engines = 1 with partial rollouts: the replica process runs every episode (its first turn scripted to
+    call the calculator, nearpolicy's real tool server in the replica), the trainer trains the model's tokens of
+    both turns within the staleness bound, and the eval runs greedy episodes in the trainer's process."""
+    rows, evaluated, seen = _two_steps(tiny_gguf_factory("f32"), tmp_path, replicas=True)
+    for step, row in enumerate(rows, start=1):
+        assert row["policy/version"] == step and row["staleness/max"] <= 1
+        assert row["episode/tool_calls_mean"] == 1 and row["episode/tool_errors"] == 0  # the replica's tool server
+        assert row["turn0/episodes"] == 8 and row["turn1/episodes"] == 8
+        assert row["turn0/tokens_mean"] == len(seen["call"])
+        assert row["episode/observation_tokens_mean"] == len(seen["observation"])
+        assert row["mismatch/tokens"] == 8 * (len(seen["call"]) + row["turn1/tokens_mean"])
+        assert 0 <= row["mismatch/fresh_k3"] < 1e-5  # the f32 replica against the trainer: noise only
+        assert row["reward/mean"] == 0.0 and math.isfinite(row["actor/loss"])
+    assert rows[0]["staleness/off_policy_token_frac"] == 0  # step 1: every token fresh, so its k3 is the noise
+    assert "eval/accuracy_no_tool" in evaluated and "eval/tool_calls_mean" in evaluated

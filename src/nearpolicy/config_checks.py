@@ -99,11 +99,8 @@ def check_turn_credit(a) -> None:
 
 def check_sections_agree(cfg) -> None:
     """Rules across sections: replicas run llama.cpp; llama.cpp's sequence limit; a group fits one batch; episodes
-    run on the synchronous llamacpp or hf engine."""
+    run on llamacpp (the synchronous engine or the replicas) or hf."""
     e, a = cfg.engine, cfg.algorithm
-    if cfg.episode.enabled and cfg.rollout.engines:
-        raise ValueError("episode.enabled runs episodes on the synchronous engine only: set rollout.engines = 0 "
-                         "(asynchronous replicas do not run multi-turn episodes yet)")
     if cfg.episode.enabled and e.kind == "vllm":
         raise ValueError("episode.enabled is not supported with engine.kind = 'vllm' yet (untested): use llamacpp or hf")
     if cfg.rollout.engines and e.kind != "llamacpp":

@@ -75,8 +75,10 @@ EXAMPLE_ROLES = ("user", "assistant", "tool")
 
 class EpisodeConfig(Section):
     """Multi-turn tool-use episodes (rollouts/episodes.py, docs/tools.md): the model's turns, tool calls run through
-    an MCP stdio server, tool results inserted as token ids; trained on the model's tokens only. Synchronous engine
-    (rollout.engines = 0), llamacpp or hf."""
+    an MCP stdio server, tool results inserted as token ids; trained on the model's tokens only. The synchronous
+    engine (rollout.engines = 0: llamacpp or hf) or the asynchronous llama.cpp replicas (rollout.engines >= 1: each
+    runs its episodes and their tool calls itself; rollout.partial continues an interrupted episode mid-turn at the
+    new version, rollouts/episode_replicas.py); not vllm."""
 
     enabled: StrictBool = False
     """Run each sample as an episode of up to max_turns turns (off: one response per sample)."""

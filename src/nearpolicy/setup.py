@@ -259,7 +259,7 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
     replicas (local processes or Ray actors) that the source starts in its `start`."""
     sampling = sampling_params(cfg)
     if cfg.episode.enabled:
-        return build_episodes(cfg, session, engine, sampling)
+        return build_episodes(cfg, session, engine, sampling, log)
     if not cfg.rollout.engines:
         from nearpolicy.rollouts.inline import InlineRollouts
 
@@ -268,23 +268,33 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
                               a.group_size, a.prompts_per_step, cfg.run.seed)
     from nearpolicy.rollouts.replicas import ReplicaRollouts
 
-    spec_for = lambda path, version: engine_spec(cfg, path, version, threads=cfg.rollout.engine_threads)  # noqa: E731
-    return ReplicaRollouts(cfg, engine, gguf_writer(cfg, session), session.engine_dir / "published", spec_for,
-                           session.task, session.prompt_ids, sampling, log)
+    return ReplicaRollouts(cfg, engine, gguf_writer(cfg, session), session.engine_dir / "published",
+                           _replica_spec(cfg), session.task, session.prompt_ids, sampling, log)
 
 
-def build_episodes(cfg: Config, session: Session, engine, sampling: SamplingParams):
-    """The episode source (rollouts/episodes.py) over `engine`, with a ToolClient on episode.server (empty:
-    nearpolicy's own MCP server) and the chat template's tool framing, rendered once."""
-    from nearpolicy.rollouts.episodes import EpisodeLimits, EpisodeRollouts, EpisodeRunner
-    from nearpolicy.tools.client import DEFAULT_SERVER, ToolClient
+def _replica_spec(cfg: Config) -> Callable:
+    """(GGUF path, version) -> the EngineSpec of an engine replica (rollout.engine_threads threads)."""
+    return lambda path, version: engine_spec(cfg, path, version, threads=cfg.rollout.engine_threads)
+
+
+def build_episodes(cfg: Config, session: Session, engine, sampling: SamplingParams, log=print):
+    """The episode source over `engine`: rollouts/episodes.py (synchronous) with rollout.engines = 0, else
+    rollouts/episode_replicas.py (each replica runs its episodes with its own tools). Tools: episode.server (empty:
+    nearpolicy's own MCP server); the chat template's tool framing, rendered once."""
+    from nearpolicy.rollouts.episodes import EpisodeLimits, EpisodeRollouts, EpisodeSetup
     from nearpolicy.tools.protocol import ObservationFraming
 
     e, a = cfg.episode, cfg.algorithm
     framing = ObservationFraming.from_template(session.tokenizer, e.observation_chars)
-    tools = ToolClient(tuple(e.server) or DEFAULT_SERVER, call_timeout_s=e.call_timeout_s)
-    runner = EpisodeRunner(session.tokenizer, tools, framing, frozenset(session.stop_ids),
-                           EpisodeLimits(e.max_turns, e.max_tokens, e.turn_tokens))
+    episodes = EpisodeSetup(session.tokenizer, framing, frozenset(session.stop_ids),
+                            EpisodeLimits(e.max_turns, e.max_tokens, e.turn_tokens), tuple(e.server), e.call_timeout_s)
+    runner = episodes.runner()
+    if cfg.rollout.engines:
+        from nearpolicy.rollouts.episode_replicas import EpisodeReplicaRollouts
+
+        return EpisodeReplicaRollouts(cfg, engine, gguf_writer(cfg, session), session.engine_dir / "published",
+                                      _replica_spec(cfg), session.task, session.episode_prompt_ids, session.prompt_ids,
+                                      sampling, episodes, runner, log)
     return EpisodeRollouts(engine, engine_weights(cfg, session), session.task, session.episode_prompt_ids,
                            session.prompt_ids, runner, sampling, a.group_size, a.prompts_per_step, cfg.run.seed,
                            e.eval_without_tool, cfg.sampling.max_new_tokens)

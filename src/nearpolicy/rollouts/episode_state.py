@@ -3,7 +3,8 @@ turns and the inserted observations, in order), the engine log-prob of each samp
 policy version of each token, which tokens are the model's, the turn of each token, and the budget left. It
 serialises to a plain dict and back (`to_dict` / `from_dict`), so a partial episode resumes with its masks and
 versions intact: tokens sampled after the resume carry the engine's version then (slime #1440: a loss mask whose
-length disagreed with the resumed ids)."""
+length disagreed with the resumed ids). A turn cut by a weight update (an asynchronous replica's interrupt) stays
+open: its ids are kept and the next segment continues the same turn (`open_turn`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Episode:
     model_mask   [T] True where the model sampled the id
     turn_index   [T] 0-based turn of each id; the observation after turn k carries k
     budget       completion tokens (model + inserted) the episode may still add
+    open_turn    model ids of turn `turns` sampled before an interruption (0: no turn open); the turn goes on
     """
 
     group_id: int
@@ -45,6 +47,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: dict[str, int] = field(default_factory=dict)  # error kind -> count
     end: str | None = None  # one of ENDS once the episode is over
+    open_turn: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -54,6 +57,8 @@ class Episode:
                              f"{len(self.turn_index)} turn entries")
         if self.budget < 0:
             raise ValueError(f"episode of group {self.group_id}: negative token budget {self.budget}")
+        if not 0 <= self.open_turn <= n:
+            raise ValueError(f"episode of group {self.group_id}: an open turn of {self.open_turn} ids in {n} ids")
         if self.end is not None and self.end not in ENDS:
             raise ValueError(f"episode of group {self.group_id}: unknown end {self.end!r}; one of {ENDS}")
 
@@ -65,9 +70,10 @@ class Episode:
         """The next turn's prompt: every prompt and completion id so far, verbatim."""
         return tuple(self.prompt_ids) + tuple(self.ids)
 
-    def add_turn(self, turn: Rollout) -> None:
-        """Append one turn as the engine sampled it (its ids, log-probs and versions unchanged). Raises ValueError
-        when the turn does not continue this episode's prefix or exceeds the budget."""
+    def add_turn(self, turn: Rollout, complete: bool = True) -> None:
+        """Append one turn as the engine sampled it (its ids, log-probs and versions unchanged); `complete` False:
+        the turn was interrupted and stays open (the next add_turn continues it, with the same turn index). Raises
+        ValueError when the turn does not continue this episode's prefix or exceeds the budget."""
         if tuple(turn.prompt_ids) != self.prefix():
             raise ValueError(f"episode of group {self.group_id}: the turn was sampled after another prompt")
         if len(turn.completion_ids) > self.budget:
@@ -80,11 +86,16 @@ class Episode:
         self.model_mask += [True] * n
         self.turn_index += [self.turns] * n
         self.budget -= n
-        self.turns += 1
+        if complete:
+            self.turns, self.open_turn = self.turns + 1, 0
+        else:
+            self.open_turn += n
 
     def add_observation(self, ids: list[int], version: int) -> None:
         """Append inserted ids (a tool result with its framing) after the last turn: no log-prob, not the
         model's, the last turn's index. Raises ValueError when they exceed the budget."""
+        if self.open_turn:
+            raise ValueError(f"episode of group {self.group_id}: an observation inside an open turn")
         if len(ids) > self.budget:
             raise ValueError(f"episode of group {self.group_id}: {len(ids)} observation ids exceed the {self.budget} left")
         self.ids += ids
@@ -102,12 +113,15 @@ class Episode:
         last = self.turns - 1
         return [t for t, k, own in zip(self.ids, self.turn_index, self.model_mask) if own and k == last]
 
+    def finish(self, stop: frozenset[int]) -> FinishReason:
+        """How the finished episode's sequence ends: "stop" when its last id is in `stop`, else "length"."""
+        return "stop" if self.ids and self.ids[-1] in stop else "length"
+
     def to_rollout(self, stop: frozenset[int]) -> Rollout:
-        """The finished episode as one Rollout (model_mask and turn_index set; finish "stop" when its last id is
-        a stop token, else "length"); extras["episode"] holds its turns, calls, errors and end."""
-        finish: FinishReason = "stop" if self.ids and self.ids[-1] in stop else "length"
+        """The finished episode as one Rollout (model_mask and turn_index set; finish as `finish(stop)`);
+        extras["episode"] holds its turns, calls, errors and end."""
         return Rollout(self.group_id, self.sample_index, list(self.prompt_ids), list(self.ids), list(self.logprobs),
-                       list(self.versions), finish, model_mask=list(self.model_mask), turn_index=list(self.turn_index),
+                       list(self.versions), self.finish(stop), model_mask=list(self.model_mask), turn_index=list(self.turn_index),
                        extras={"episode": {"turns": self.turns, "tool_calls": self.tool_calls,
                                            "tool_errors": dict(self.tool_errors), "end": self.end}})
 
@@ -118,7 +132,7 @@ class Episode:
                 "budget": self.budget, "ids": list(self.ids), "logprobs": list(self.logprobs),
                 "versions": list(self.versions), "model_mask": list(self.model_mask),
                 "turn_index": list(self.turn_index), "turns": self.turns, "tool_calls": self.tool_calls,
-                "tool_errors": dict(self.tool_errors), "end": self.end}
+                "tool_errors": dict(self.tool_errors), "end": self.end, "open_turn": self.open_turn}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Episode":
@@ -133,7 +147,8 @@ class Episode:
         return cls(int(data["group_id"]), int(data["sample_index"]), [int(t) for t in data["prompt_ids"]],
                    int(data["budget"]), [int(t) for t in data["ids"]], logprobs, [int(v) for v in data["versions"]],
                    [bool(m) for m in data["model_mask"]], [int(k) for k in data["turn_index"]], int(data["turns"]),
-                   int(data.get("tool_calls", 0)), dict(data.get("tool_errors", {})), data.get("end"))
+                   int(data.get("tool_calls", 0)), dict(data.get("tool_errors", {})), data.get("end"),
+                   int(data.get("open_turn", 0)))
 
 
 def error_counts(episodes: list[Episode]) -> Counter:

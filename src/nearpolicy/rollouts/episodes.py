@@ -11,7 +11,8 @@ task scores a single turn. Ends: an answer, the turn limit, the token budget (ep
 The sampled ids, their engine log-probs and versions are kept exactly as the engine returned them, so the prompt of
 turn k + 1 starts with every id of turn k and the trainer trains the sampled ids (invariant 19). Seeds:
 SeedSequence([seed, step, turn]), so a resumed run samples what the uninterrupted one did. The asynchronous engine
-replicas do not run episodes yet (config refuses the combination)."""
+replicas run the same runner in their own processes (rollouts/episode_replicas.py): a weight update interrupts it
+mid-turn or between turns and the episode continues later from its state (`run(..., interrupt=)`)."""
 
 from __future__ import annotations
 
@@ -60,21 +61,30 @@ class EpisodeRunner:
         return Episode(group_id, sample_index, list(prompt_ids), self.limits.max_tokens)
 
     def run(self, engine: RolloutEngine, episodes: list[Episode], sampling: SamplingParams,
-            seed_of_turn: Callable[[int], int], rounds: int | None = None) -> None:
+            seed_of_turn: Callable[[int], int], rounds: int | None = None,
+            interrupt: Callable[[], bool] | None = None) -> None:
         """Sample every unfinished episode to its end (in place), or for at most `rounds` more turns (a partial
         episode, continued by a later call, e.g. after a weight update); round r's generate call is seeded
-        seed_of_turn(r)."""
+        seed_of_turn(r). `interrupt` (a replica's weight update) goes to the engine, which polls it before every
+        decode step, and is polled here after every round: a turn it cuts stays open (Episode.open_turn, continued
+        by the next call with the rest of its token limit) and the call returns with the episodes where they are."""
         sampling = replace(sampling, max_new_tokens=self.limits.turn_tokens)
+        polled = {} if interrupt is None else {"interrupt": interrupt}
         for round_ in range(self.limits.max_turns if rounds is None else min(rounds, self.limits.max_turns)):
             live = [e for e in episodes if not e.done]
             if not live:
                 return
-            requests = [GenerationRequest(i, e.prefix(), 1, min(self.limits.turn_tokens, e.budget))
+            requests = [GenerationRequest(i, e.prefix(), 1, min(self.limits.turn_tokens - e.open_turn, e.budget))
                         for i, e in enumerate(live)]
-            turns = engine.generate(requests, sampling, seed_of_turn(round_))
+            turns = engine.generate(requests, sampling, seed_of_turn(round_), **polled)
             for episode, turn in zip(live, turns, strict=True):
                 self.reused_prefill += int(turn.extras.get("prefill_reused", 0))
-                self._after(episode, turn, engine.version)
+                if turn.finish_reason == "interrupted":
+                    episode.add_turn(turn, complete=False)
+                else:
+                    self._after(episode, turn, engine.version)
+            if interrupt is not None and interrupt():
+                return
 
     def run_greedy(self, engine: RolloutEngine, episodes: list[Episode]) -> None:
         """run() with argmax turns (evaluation): no log-probs (None), each turn cut to its episode's budget."""
@@ -92,8 +102,9 @@ class EpisodeRunner:
     def _after(self, episode: Episode, turn: Rollout, version: int) -> None:
         """Append the turn, then end the episode or run its tool call and append the observation."""
         episode.add_turn(turn)
-        stopped = bool(turn.completion_ids) and turn.completion_ids[-1] in self.stop_ids
-        call = parse_tool_call(self.tokenizer.decode(turn.completion_ids, skip_special_tokens=True))
+        said = episode.last_turn_ids()  # the whole turn: an interrupted turn's earlier ids too
+        stopped = bool(said) and said[-1] in self.stop_ids
+        call = parse_tool_call(self.tokenizer.decode(said, skip_special_tokens=True))
         if call is None:
             episode.end = "answer" if stopped else "token_budget" if episode.budget == 0 else "length"
             return
@@ -109,11 +120,33 @@ class EpisodeRunner:
             text = observation.text
             if observation.error:
                 episode.count_error(observation.error)
-        ids = self.framing.observation_ids(self.tokenizer, text, turn.completion_ids[-1] if turn.completion_ids else None)
+        ids = self.framing.observation_ids(self.tokenizer, text, said[-1] if said else None)
         if len(ids) + 1 > episode.budget:  # the observation and at least one token of the next turn
             episode.end = "token_budget"
             return
         episode.add_observation(ids, version)
+
+
+@dataclass(frozen=True)
+class EpisodeSetup:
+    """What an EpisodeRunner is built from, picklable, so an engine replica's process builds its own (a ToolClient's
+    server process and event-loop thread cannot travel): the tokenizer, the framing, the engine's stop ids, the
+    limits, the MCP server command (argv; empty: nearpolicy's own, resolved where the runner is built) and the
+    time limit of one call (seconds)."""
+
+    tokenizer: object
+    framing: ObservationFraming
+    stop_ids: frozenset[int]
+    limits: EpisodeLimits
+    server: tuple[str, ...] = ()
+    call_timeout_s: float = 10.0
+
+    def runner(self) -> EpisodeRunner:
+        """A runner with its own ToolClient (its server starts at the first call)."""
+        from nearpolicy.tools.client import DEFAULT_SERVER, ToolClient
+
+        tools = ToolClient(self.server or DEFAULT_SERVER, call_timeout_s=self.call_timeout_s)
+        return EpisodeRunner(self.tokenizer, tools, self.framing, self.stop_ids, self.limits)
 
 
 def episode_metrics(episodes: list[Episode], prefix: str = "episode") -> dict[str, float]:
@@ -143,37 +176,18 @@ def episode_metrics(episodes: list[Episode], prefix: str = "episode") -> dict[st
     return out
 
 
-class EpisodeRollouts(InlineRollouts):
-    """A RolloutSource (rollouts/base.py) of tool-use episodes: each step prompts_per_step problems x group_size
-    episodes on `engine` (start, publish, eval_engine and state_dict as InlineRollouts). `prompt_ids` templates a
-    problem with the episode's system prompt and worked example; `plain_prompt_ids` without them (the no-tool eval,
-    when `eval_without_tool`, greedy, `plain_tokens` new tokens). `tools` is closed with the source."""
-
-    def __init__(self, engine: RolloutEngine, weights: Callable[[], object], task: Task,
-                 prompt_ids: Callable[[Problem], list[int]], plain_prompt_ids: Callable[[Problem], list[int]],
-                 runner: EpisodeRunner, sampling: SamplingParams, group_size: int, prompts_per_step: int, seed: int,
-                 eval_without_tool: bool = True, plain_tokens: int = 64):
-        super().__init__(engine, weights, task, prompt_ids, sampling, group_size, prompts_per_step, seed)
-        self.runner, self.plain_prompt_ids = runner, plain_prompt_ids
-        self.eval_without_tool, self.plain_tokens = eval_without_tool, plain_tokens
-        self._turns: list[list[int]] = []  # turn_index of each row of the last collect, in collect order
-
-    def collect(self, step: int, version: int, data_position: int) -> StepSamples:
-        problems = self.step_problems(data_position)
-        episodes = [self.runner.new(gid, k, self.prompt_ids(p)) for gid, p in problems.items()
-                    for k in range(self.group_size)]
-        seed = lambda turn: int(np.random.SeedSequence([self.seed, step, turn]).generate_state(1)[0])  # noqa: E731
-        self.runner.reused_prefill = 0
-        self.runner.run(self.engine, episodes, self.sampling, seed)
-        rollouts = [e.to_rollout(self.runner.stop_ids) for e in episodes]
-        self._turns = [r.turn_index for r in rollouts]
-        metrics = episode_metrics(episodes) | {"episode/prefill_reused_tokens": float(self.runner.reused_prefill)}
-        return StepSamples(rollouts, problems, data_position + len(problems), metrics)
+class EpisodeSourceParts:
+    """What both episode sources share (EpisodeRollouts here, EpisodeReplicaRollouts in rollouts/episode_replicas.py,
+    each listing this class first): the per-turn k3 of the last collect's rows, the greedy eval with and without
+    the tool, and closing the runner's ToolClient with the source. Needs `runner` (an EpisodeRunner in the trainer's
+    process), `prompt_ids`, `plain_prompt_ids`, `eval_without_tool`, `plain_tokens` and `_turns` (turn_index of each
+    row of the last collect, in collect order)."""
 
     def step_metrics(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined: torch.Tensor,
                      versions: torch.Tensor, version: int) -> dict[str, float]:
-        """mismatch/k3_turn{k} (nats / token) over the model's tokens of turn k of the trained batch (its rows are
-        the last collect's rollouts, in order)."""
+        """The source's own step metrics (super()) and mismatch/k3_turn{k} (nats / token) over the model's tokens
+        of turn k of the trained batch ([B, T]; its rows are the last collect's rollouts, in order). Raises
+        ValueError when B is not the number of episodes of the last collect."""
         if len(self._turns) != old_logprobs.shape[0]:
             raise ValueError(f"step_metrics got {old_logprobs.shape[0]} rows for the {len(self._turns)} episodes "
                              "of the last collect")
@@ -181,7 +195,8 @@ class EpisodeRollouts(InlineRollouts):
         for i, row in enumerate(self._turns):
             turn[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         per_turn = mismatch_by_turn(old_logprobs, rollout_logprobs, defined, turn)
-        return {f"mismatch/k3_turn{k}": float(m["k3"]) for k, m in per_turn.items()}
+        return super().step_metrics(old_logprobs, rollout_logprobs, defined, versions, version) | {
+            f"mismatch/k3_turn{k}": float(m["k3"]) for k, m in per_turn.items()}
 
     def evaluate_episodes(self, engine: RolloutEngine, problems: list[Problem],
                           score: Callable[[list[list[int]], str], list]) -> tuple[list[list[int]], list, dict]:
@@ -208,6 +223,34 @@ class EpisodeRollouts(InlineRollouts):
             super().close()
         finally:
             self.runner.tools.close()
+
+
+class EpisodeRollouts(EpisodeSourceParts, InlineRollouts):
+    """A RolloutSource (rollouts/base.py) of tool-use episodes: each step prompts_per_step problems x group_size
+    episodes on `engine` (start, publish, eval_engine and state_dict as InlineRollouts). `prompt_ids` templates a
+    problem with the episode's system prompt and worked example; `plain_prompt_ids` without them (the no-tool eval,
+    when `eval_without_tool`, greedy, `plain_tokens` new tokens). `tools` is closed with the source."""
+
+    def __init__(self, engine: RolloutEngine, weights: Callable[[], object], task: Task,
+                 prompt_ids: Callable[[Problem], list[int]], plain_prompt_ids: Callable[[Problem], list[int]],
+                 runner: EpisodeRunner, sampling: SamplingParams, group_size: int, prompts_per_step: int, seed: int,
+                 eval_without_tool: bool = True, plain_tokens: int = 64):
+        super().__init__(engine, weights, task, prompt_ids, sampling, group_size, prompts_per_step, seed)
+        self.runner, self.plain_prompt_ids = runner, plain_prompt_ids
+        self.eval_without_tool, self.plain_tokens = eval_without_tool, plain_tokens
+        self._turns: list[list[int]] = []
+
+    def collect(self, step: int, version: int, data_position: int) -> StepSamples:
+        problems = self.step_problems(data_position)
+        episodes = [self.runner.new(gid, k, self.prompt_ids(p)) for gid, p in problems.items()
+                    for k in range(self.group_size)]
+        seed = lambda turn: int(np.random.SeedSequence([self.seed, step, turn]).generate_state(1)[0])  # noqa: E731
+        self.runner.reused_prefill = 0
+        self.runner.run(self.engine, episodes, self.sampling, seed)
+        rollouts = [e.to_rollout(self.runner.stop_ids) for e in episodes]
+        self._turns = [r.turn_index for r in rollouts]
+        metrics = episode_metrics(episodes) | {"episode/prefill_reused_tokens": float(self.runner.reused_prefill)}
+        return StepSamples(rollouts, problems, data_position + len(problems), metrics)
 
 
 def _greedy_by_limit(engine: RolloutEngine, live: list[Episode], turn_tokens: int) -> list[list[int]]:

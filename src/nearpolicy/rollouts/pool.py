@@ -3,7 +3,8 @@
 Both expose the same small interface to the rollout service: submit(worker, call_id, jobs, sampling, seed),
 poll(timeout) -> events, interrupt_all(), load_all(path, version), restart(worker, path, version), pids(), close().
 Events are (worker, kind, payload) with kind "results" ((call_id, [SegmentResult])), "loaded", "ready", "died"
-(the replica is gone) or "error" (the engine raised: a traceback string)."""
+(the replica is gone) or "error" (the engine raised: a traceback string). With an EpisodeSetup, every replica runs
+tool-use episodes with its own tools (rollouts/worker.py)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ import time
 from dataclasses import replace
 
 from nearpolicy.engines.llamacpp import EngineSpec
+from nearpolicy.rollouts.episodes import EpisodeSetup
 from nearpolicy.rollouts.worker import EngineWorker, process_main
 
 
 class LocalPool:
     """N engine worker processes (spawned, daemonic) fed through queues; an Event per worker interrupts decoding."""
 
-    def __init__(self, spec: EngineSpec, replicas: int):
+    def __init__(self, spec: EngineSpec, replicas: int, episodes: EpisodeSetup | None = None):
         import multiprocessing as mp
 
         self._mp = mp.get_context("spawn")
-        self.spec = spec
+        self.spec, self.episodes = spec, episodes
         self.outbox = self._mp.Queue()
         self.procs, self.inboxes, self.flags = [], [], []
         for w in range(replicas):
@@ -31,7 +33,7 @@ class LocalPool:
 
     def _start(self, w: int, spec: EngineSpec) -> None:
         inbox, flag = self._mp.Queue(), self._mp.Event()
-        proc = self._mp.Process(target=process_main, args=(w, spec, inbox, self.outbox, flag), daemon=True,
+        proc = self._mp.Process(target=process_main, args=(w, spec, inbox, self.outbox, flag, self.episodes), daemon=True,
                                 name=f"nearpolicy-engine-{w}")
         proc.start()
         if w < len(self.procs):
@@ -86,10 +88,10 @@ class LocalPool:
 class _RayEngine:
     """Ray actor body: the same worker, with a lock so a weight load waits for the run it interrupts."""
 
-    def __init__(self, spec: EngineSpec, gguf_bytes: bytes):
+    def __init__(self, spec: EngineSpec, gguf_bytes: bytes, episodes: EpisodeSetup | None = None):
         import os
 
-        self.worker = EngineWorker(replace(spec, gguf_path=_local_copy(gguf_bytes)))
+        self.worker = EngineWorker(replace(spec, gguf_path=_local_copy(gguf_bytes)), episodes)
         self.flag, self.lock, self.pid = threading.Event(), threading.Lock(), os.getpid()
 
     def run(self, call_id, jobs, sampling, seed):
@@ -124,16 +126,17 @@ class RayPool:
     """N Ray actors (each 1 CPU) on the cluster `ray.init` connects to; weights travel through the object store,
     so replicas on other nodes need no shared filesystem."""
 
-    def __init__(self, spec: EngineSpec, replicas: int, address: str | None = None):
+    def __init__(self, spec: EngineSpec, replicas: int, address: str | None = None,
+                 episodes: EpisodeSetup | None = None):
         import ray
 
         self.owns_ray = not ray.is_initialized()  # False inside the trainer actor (ray_trainer.py)
         if self.owns_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        self.ray, self.spec = ray, spec
+        self.ray, self.spec, self.episodes = ray, spec, episodes
         self.actor_class = ray.remote(num_cpus=1, max_concurrency=2)(_RayEngine)
         weights = self._put(spec.gguf_path)
-        self.actors = [self.actor_class.remote(spec, weights) for _ in range(replicas)]
+        self.actors = [self.actor_class.remote(spec, weights, episodes) for _ in range(replicas)]
         self.pending: dict = {}  # object ref -> (worker, kind)
 
     @property
@@ -177,7 +180,8 @@ class RayPool:
 
     def restart(self, w: int, path: str, version: int) -> None:
         self.ray.kill(self.actors[w], no_restart=True)
-        self.actors[w] = self.actor_class.remote(replace(self.spec, version=version), self._put(path))
+        spec = replace(self.spec, version=version)
+        self.actors[w] = self.actor_class.remote(spec, self._put(path), self.episodes)
 
     def close(self) -> None:
         for actor in self.actors:

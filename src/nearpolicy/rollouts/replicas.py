@@ -2,7 +2,7 @@
 bounded staleness while the trainer updates; each step takes a batch of complete groups, each update publishes a
 versioned GGUF that interrupts and refreshes the replicas. With `rollout.engines = 0` (the default) none of this
 runs and rollouts/inline.py samples synchronously. The in-process engine only evaluates here; it is refreshed to
-the newest published weights before each evaluation."""
+the newest published weights before each evaluation. rollouts/episode_replicas.py runs tool-use episodes on them."""
 
 from __future__ import annotations
 
@@ -16,23 +16,25 @@ from nearpolicy.engines.base import RolloutEngine
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.ops.diagnostics import lag_ess, mismatch_metrics
 from nearpolicy.rollouts.base import StepSamples
+from nearpolicy.rollouts.episodes import EpisodeSetup
 from nearpolicy.rollouts.pool import LocalPool, RayPool
-from nearpolicy.rollouts.scheduler import RolloutScheduler, staleness_metrics
+from nearpolicy.rollouts.scheduler import GroupState, RolloutScheduler, staleness_metrics
 from nearpolicy.rollouts.service import RolloutService, groups_to_rollouts
 from nearpolicy.tasks import Problem, Task
-from nearpolicy.types import SamplingParams
+from nearpolicy.types import Rollout, SamplingParams
 
 
 class ReplicaRollouts:
     """`export(folder)` writes the trainer's current weights as a GGUF in `folder` and returns its path;
-    `spec_for(path, version)` is the replicas' EngineSpec over it; `engine` is the in-process engine (evaluation).
+    `spec_for(path, version)` is the replicas' EngineSpec over it; `engine` is the in-process engine (evaluation);
+    with `episodes`, each replica runs tool-use episodes of that setup (a sample's budget: episodes.limits.max_tokens).
     Replicas start in `start` (after a resume has loaded the weights and the scheduler state)."""
 
     def __init__(self, cfg: Config, engine: RolloutEngine, export: Callable[[Path], Path], folder: Path,
                  spec_for: Callable[[Path, int], EngineSpec], task: Task, prompt_ids: Callable[[Problem], list[int]],
-                 sampling: SamplingParams, log=print):
+                 sampling: SamplingParams, log=print, episodes: EpisodeSetup | None = None):
         self.cfg, self.engine, self.export, self.folder, self.spec_for = cfg, engine, export, folder, spec_for
-        self.task, self.prompt_ids, self.sampling, self.log = task, prompt_ids, sampling, log
+        self.task, self.prompt_ids, self.sampling, self.log, self.episodes = task, prompt_ids, sampling, log, episodes
         self._prompts: dict[int, tuple[int, ...]] = {}
         self.fresh_only = False  # DLC: the next batch must come from the newest weights
         self.sched: RolloutScheduler | None = None
@@ -42,14 +44,16 @@ class ReplicaRollouts:
 
     def start(self, version: int, data_position: int, state: dict | None) -> None:
         r, a = self.cfg.rollout, self.cfg.algorithm
-        self.sched = RolloutScheduler(a.group_size, a.prompts_per_step, r.staleness, self.sampling.max_new_tokens,
-                                      partial=r.partial, overprovision=r.overprovision, next_group_id=data_position)
+        tokens = self.sampling.max_new_tokens if self.episodes is None else self.episodes.limits.max_tokens
+        self.sched = RolloutScheduler(a.group_size, a.prompts_per_step, r.staleness, tokens, partial=r.partial,
+                                      overprovision=r.overprovision, next_group_id=data_position)
         self.sched.version = version
         if state is not None:
             self.sched.load_state_dict(state)
         path = self._export(version)
         spec = self.spec_for(path, version)
-        pool = LocalPool(spec, r.engines) if r.backend == "local" else RayPool(spec, r.engines, r.ray_address)
+        pool = (LocalPool(spec, r.engines, self.episodes) if r.backend == "local"
+                else RayPool(spec, r.engines, r.ray_address, self.episodes))
         self.service = RolloutService(self.sched, pool, self.prompt_of, self.sampling, self.cfg.run.seed,
                                       self.cfg.engine.max_parallel_sequences, str(path), self.log)
         self.log(f"async rollouts: {r.engines} {r.backend} engine replica(s), staleness {r.staleness}, "
@@ -64,12 +68,16 @@ class ReplicaRollouts:
         """One training batch of complete groups with the staleness metrics of its tokens (the data position
         after it: the scheduler's next new group)."""
         groups = self.service.next_batch(self.fresh_only)
-        rollouts = groups_to_rollouts(groups, self.prompt_of)
+        rollouts, own = self.to_rollouts(groups)
         problems = {g.group_id: self.task.train_problem(g.group_id) for g in groups}
         for gid in problems:
             self._prompts.pop(gid, None)
-        metrics = staleness_metrics(groups, version) | {"staleness/fresh_only": float(self.fresh_only)}
+        metrics = staleness_metrics(groups, version) | {"staleness/fresh_only": float(self.fresh_only)} | own
         return StepSamples(rollouts, problems, self.sched.next_group_id, metrics)
+
+    def to_rollouts(self, groups: list[GroupState]) -> tuple[list[Rollout], dict[str, float]]:
+        """The trainer rollouts of a batch's complete groups, in order, and metrics of their own (none here)."""
+        return groups_to_rollouts(groups, self.prompt_of), {}
 
     def step_metrics(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined: torch.Tensor,
                      versions: torch.Tensor, version: int) -> dict[str, float]:

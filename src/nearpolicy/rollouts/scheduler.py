@@ -14,27 +14,35 @@ never trained: it is dropped and issued again from scratch (counted), so the bou
 Partial rollouts (APRIL, arXiv:2509.18521): `overprovision` extra groups may be in flight; a weight update
 interrupts in-flight segments; with `partial=True` an interrupted sample keeps its tokens (with their log-probs
 and versions) and continues first after the sync at the new version; with `partial=False` it restarts from
-scratch, so no sample ever mixes versions. After a restart, issued but untrained groups are issued again first."""
+scratch, so no sample ever mixes versions. After a restart, issued but untrained groups are issued again first.
+
+Tool-use episodes: a sample is an episode (rollouts/episode_state.Episode) and a segment is its turns at one
+version, the tool observations between them included (their ids carry the segment's version, log-prob None). The
+sample keeps the returned episode beside its ids, log-probs and versions (checked equal), so an interrupted episode
+continues mid-turn or between turns with its masks, turn index and tool counters; the accounting is the same."""
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from nearpolicy.rollouts.episode_state import Episode
 from nearpolicy.rollouts.types import SegmentResult
 
 
 @dataclass
 class SampleState:
-    """One sample's tokens so far: ids, engine log-probs and the policy version of each token."""
+    """One sample's tokens so far: ids, engine log-probs (None for a tool observation's ids) and the policy version
+    of each token; in a tool-use run, its episode so far."""
 
     completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None  # "stop" / "length" when complete
+    episode: Episode | None = None
 
     def reset(self) -> None:
-        self.completion_ids, self.logprobs, self.versions, self.finish = [], [], [], None
+        self.completion_ids, self.logprobs, self.versions, self.finish, self.episode = [], [], [], None, None
 
 
 @dataclass
@@ -126,7 +134,8 @@ class RolloutScheduler:
 
     # -- results --------------------------------------------------------------------------------
     def on_result(self, r: SegmentResult) -> None:
-        """Record one sample's segment. Raises ValueError for a result that was not in flight (a duplicate)."""
+        """Record one sample's segment. Raises ValueError for a result that was not in flight (a duplicate), and
+        for an episode whose ids, log-probs or versions are not the sample's tokens with the segment's appended."""
         key = (r.group_id, r.sample_index)
         if key not in self.in_flight:
             raise ValueError(f"result for group {r.group_id} sample {r.sample_index} that is not in flight")
@@ -135,6 +144,12 @@ class RolloutScheduler:
         s.completion_ids += r.completion_ids
         s.logprobs += r.logprobs
         s.versions += [r.version] * len(r.completion_ids)
+        if r.episode is not None:
+            e = r.episode
+            if (e.ids, e.logprobs, e.versions) != (s.completion_ids, s.logprobs, s.versions):
+                raise ValueError(f"the episode of group {r.group_id} sample {r.sample_index} disagrees with the "
+                                 "sample's tokens")
+            s.episode = e
         if r.finish == "interrupted":
             if not self.partial and s.versions:
                 self.stats["restarted_samples"] += 1

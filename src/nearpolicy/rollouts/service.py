@@ -47,7 +47,8 @@ class RolloutService:
         samples = [self.sched.sample(seg.group_id, i) for i in seg.sample_indices]
         return SegmentJob(seg.group_id, seg.sample_indices, seg.version, seg.fresh, self.prompt_of(seg.group_id),
                           tuple(tuple(s.completion_ids) for s in samples),
-                          tuple(self.sched.remaining_tokens(seg.group_id, i) for i in seg.sample_indices))
+                          tuple(self.sched.remaining_tokens(seg.group_id, i) for i in seg.sample_indices),
+                          tuple(s.episode for s in samples))
 
     def _handle(self, events: list[tuple]) -> None:
         for w, kind, payload in events:
