@@ -364,6 +364,7 @@ def test_the_policy_loss_and_the_mismatch_metrics_ignore_observation_tokens(tok,
 
 
 @pytest.mark.parametrize("sets, message", [
+    (["episode.enabled=true", "rollout.engines=1"], "synchronous engine only"),
     (["episode.enabled=true", "engine.kind=vllm"], "not supported with engine.kind = 'vllm'"),
     (["episode.turn_tokens=300", "episode.max_tokens=200"], "exceeds episode.max_tokens"),
     (['episode.example=[{role = "robot", content = "hi"}]'], r"episode.example\[0\] must be"),
@@ -385,8 +386,9 @@ def test_the_tools_config_runs_episodes_on_the_main_jobs_model_and_engine():
     cfg = load_config(Path(__file__).parent.parent / "configs" / "tools.toml")
     assert cfg.episode.enabled and cfg.engine.kind == "llamacpp" and cfg.model.path == "smollm2"
     assert cfg.task.name == "products" and cfg.rollout.engines == 0
-    assert cfg.episode.example == []  # the syntax-only prompt: the base model is not at the ceiling (docs/tools.md)
-    assert parse_tool_call(cfg.episode.system_prompt) == ToolCall("calculator", {"expression": "12 * 34"})
+    roles = [m["role"] for m in cfg.episode.example]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert parse_tool_call(cfg.episode.example[1]["content"]) == ToolCall("calculator", {"expression": "25 * 31"})
     import tomllib
 
     from nearpolicy.config import config_from_data
