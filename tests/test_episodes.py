@@ -364,7 +364,6 @@ def test_the_policy_loss_and_the_mismatch_metrics_ignore_observation_tokens(tok,
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["episode.enabled=true", "rollout.engines=1"], "synchronous engine only"),
     (["episode.enabled=true", "engine.kind=vllm"], "not supported with engine.kind = 'vllm'"),
     (["episode.turn_tokens=300", "episode.max_tokens=200"], "exceeds episode.max_tokens"),
     (['episode.example=[{role = "robot", content = "hi"}]'], r"episode.example\[0\] must be"),
