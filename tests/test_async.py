@@ -172,6 +172,7 @@ def test_ray_backend_trains_two_steps_with_two_replicas(tiny_gguf_factory, tmp_p
     assert actor_pid != driver_pid  # the trainer ran in its own Ray worker process
     rows = _rows(tmp_path / "ray")
     assert [r["step"] for r in rows] == [1, 2] and all(r["staleness/max"] <= 1 for r in rows)
+    assert rows[0]["rollout/decode_calls"] >= 1 and 0 < rows[0]["rollout/decode_occupancy"] <= 1  # from 2 actors
     assert "eval/accuracy" in rows[-1]
     assert f"checkpoints in {tmp_path / 'ray' / 'checkpoints'}; `nearpolicy report" in proc.stderr.splitlines()[-1]
 
