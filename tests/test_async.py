@@ -63,6 +63,8 @@ def test_interrupted_samples_continue_with_exact_per_token_logprobs_and_versions
     polls = iter([False] * 6 + [True] * 10**6)  # the weight update lands after 5 decode steps
     for r in worker.run([_job(sched, s) for s in sched.next_segments()], SAMPLING, 1, lambda: next(polls)):
         sched.on_result(r)
+    cut = worker.take_decode_counts()  # polled before the prefill, then before each decode call: 5 ran
+    assert cut.calls == 5 and cut.slots == 5 * 16 and cut.sequences > 5
     sched.publish(1)
     worker.load(str(v1), 1)
     continued = sched.next_segments()
@@ -107,10 +109,12 @@ def test_replica_killed_mid_rollout_is_restarted_and_nothing_is_lost_or_repeated
             trained += [g.group_id for g in batch]
             service.publish(str(v1 if step % 2 == 0 else v0), step + 1)
         counters = service.take_counters()
+        decode = service.take_decode_metrics()
     finally:
         service.close()
     assert sorted(trained) == list(range(6))  # every group exactly once, none lost
     assert counters["async/engine_restarts"] == 1 and counters["async/reissued_segments_total"] >= 1
+    assert decode["rollout/decode_calls"] >= 1 and 0 < decode["rollout/decode_occupancy"] <= 1  # through the pool
 
 
 def _train(args, cwd, timeout=900):
@@ -168,6 +172,7 @@ def test_ray_backend_trains_two_steps_with_two_replicas(tiny_gguf_factory, tmp_p
     assert actor_pid != driver_pid  # the trainer ran in its own Ray worker process
     rows = _rows(tmp_path / "ray")
     assert [r["step"] for r in rows] == [1, 2] and all(r["staleness/max"] <= 1 for r in rows)
+    assert rows[0]["rollout/decode_calls"] >= 1 and 0 < rows[0]["rollout/decode_occupancy"] <= 1  # from 2 actors
     assert "eval/accuracy" in rows[-1]
     assert f"checkpoints in {tmp_path / 'ray' / 'checkpoints'}; `nearpolicy report" in proc.stderr.splitlines()[-1]
 

@@ -52,6 +52,12 @@ def test_two_step_run_then_resume(tiny_gguf_factory, tmp_path):
         assert row["mismatch/ess"] == pytest.approx(mean_r**2 / (row["mismatch/chi2"] + 1), rel=1e-9)
         assert row["mismatch/k3"] > 0 and row["mismatch/ess"] < 1
         assert row["policy/version"] == row["step"]
+        # one wave of 4 sequences: the prefill samples each one's first token, every decode call one more token of
+        # each live sequence, until the longest is done; occupancy is of engine.max_parallel_sequences = 64
+        assert row["rollout/decode_calls"] == row["response/length_max"] - 1
+        assert row["rollout/decode_calls"] * row["rollout/decode_batch_mean"] == pytest.approx(
+            4 * (row["response/length_mean"] - 1), rel=1e-12)
+        assert row["rollout/decode_occupancy"] == pytest.approx(row["rollout/decode_batch_mean"] / 64, rel=1e-12)
     assert (run / "checkpoints" / "step_000002" / "model.safetensors").exists()
     assert json.loads((run / "plan.json").read_text())["samples_per_step"] == 4
     assert json.loads((run / "config.json").read_text())["engine"]["precision"] == "q8_0"

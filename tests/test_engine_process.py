@@ -4,6 +4,8 @@ while the trainer's process carries on."""
 
 from __future__ import annotations
 
+from dataclasses import astuple, dataclass
+
 import pytest
 
 from nearpolicy.engines.base import EngineError
@@ -33,6 +35,8 @@ def test_process_engine_matches_the_in_process_engine_bit_for_bit(tiny_gguf_fact
         a, b = local.generate(requests, SAMPLING, seed=7), remote.generate(requests, SAMPLING, seed=7)
         assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
         assert [r.rollout_logprobs for r in a] == [r.rollout_logprobs for r in b]  # exact: same kernels, same seed
+        counts = local.take_decode_counts()
+        assert remote.take_decode_counts() == counts and counts.calls > 0  # the child's counts cross the pipe
         assert local.greedy([PROMPT], 5) == remote.greedy([PROMPT], 5)
         assert local.score(PROMPT, [5, 6, 7], SAMPLING) == remote.score(PROMPT, [5, 6, 7], SAMPLING)
         stop_ids = {t for t in range(local.n_vocab) if local.is_stop_token(t)}
@@ -46,6 +50,33 @@ def test_process_engine_matches_the_in_process_engine_bit_for_bit(tiny_gguf_fact
         local.close()
         remote.close()
     assert not remote._proc.is_alive()
+
+
+class _Uncounted:
+    """An engine without take_decode_counts (as vLLM's): everything else the llama.cpp engine's."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        if name in ("engine", "take_decode_counts"):
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+
+@dataclass(frozen=True)
+class _UncountedSpec(EngineSpec):
+    def open(self):
+        return _Uncounted(super().open())
+
+
+def test_an_engine_that_does_not_count_decode_calls_reports_none_through_the_process(tiny_gguf_factory, tmp_path):
+    remote = ProcessEngine(_UncountedSpec(*astuple(_spec(tiny_gguf_factory("f32")))), "uncounted")
+    try:
+        remote.generate([GenerationRequest(0, tuple(PROMPT), 2)], SAMPLING, seed=0)
+        assert remote.take_decode_counts() is None  # no metric rather than an AttributeError from the child
+    finally:
+        remote.close()
 
 
 @pytest.mark.parametrize("method, phase, signame", [("generate", "rollout", "SIGSEGV"), ("greedy", "eval", "SIGSEGV"),

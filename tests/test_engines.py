@@ -130,6 +130,38 @@ def test_out_of_vocabulary_prompt_is_rejected(tiny_gguf_factory):
     engine.close()
 
 
+def test_decode_counts_are_generates_decode_calls_after_the_prefill(tiny_gguf_factory):
+    """Limits of 2 and 4 tokens: the prefill gives both their first token, then decode calls hold [both], [the
+    second], [the second]: 3 calls, 4 live sequences, 3 x 4 slots. With one slot, each is its own wave."""
+    from nearpolicy.engines.base import DecodeCounts
+
+    sampling = SamplingParams(1.0, 1.0, 0, 8)
+    requests = [GenerationRequest(0, PROMPTS[0], 1, max_new_tokens=2), GenerationRequest(1, PROMPTS[1], 1, max_new_tokens=4)]
+    engine = _engine(tiny_gguf_factory("f32"), parallel=4)
+    out = engine.generate(requests, sampling, seed=0)
+    engine.greedy([list(PROMPTS[0])], 5)  # neither the eval nor scoring is counted
+    engine.score(list(PROMPTS[0]), [5, 6], sampling)
+    assert [(r.finish_reason, len(r.completion_ids)) for r in out] == [("length", 2), ("length", 4)]
+    counts = engine.take_decode_counts()
+    assert counts == DecodeCounts(calls=3, sequences=4, slots=12)
+    assert counts.metrics() == {"rollout/decode_calls": 3.0, "rollout/decode_batch_mean": 4 / 3,
+                                "rollout/decode_occupancy": 1 / 3}
+    assert engine.take_decode_counts() == DecodeCounts()  # taken: the count restarts
+    engine.close()
+    engine = _engine(tiny_gguf_factory("f32"), parallel=1)
+    engine.generate(requests, sampling, seed=0)
+    assert engine.take_decode_counts() == DecodeCounts(calls=1 + 3, sequences=4, slots=4)  # every call full
+    engine.close()
+
+
+def test_decode_counts_without_a_call_and_for_an_engine_that_does_not_count():
+    from nearpolicy.engines.base import DecodeCounts, take_decode_counts
+
+    assert DecodeCounts().metrics() == {"rollout/decode_calls": 0.0}  # no batch to average
+    assert DecodeCounts(2, 3, 8) + DecodeCounts(1, 1, 4) == DecodeCounts(3, 4, 12)
+    assert take_decode_counts(object()) is None  # hf, vllm, fakes: no rollout/decode_* metric
+
+
 # -- weight sync (invariant 9) --------------------------------------------------------------------
 @pytest.mark.parametrize("precision", ["f32", "q8_0"])
 def test_sync_matches_a_fresh_engine_and_is_idempotent(tiny_model_dir, tiny_gguf_factory, tmp_path, precision):

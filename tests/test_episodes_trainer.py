@@ -154,6 +154,7 @@ def test_a_two_step_tool_use_run_trains_on_the_models_tokens_with_the_real_tool_
         assert row["mismatch/tokens"] == 8 * (len(seen["call"]) + row["turn1/tokens_mean"])
         assert row["reward/mean"] == 0.0  # 391 stood only in the tool's answer, which the reward never reads
         assert math.isfinite(row["actor/loss"]) and row["policy/version"] >= 1
+        assert not any(key.startswith("rollout/decode") for key in row)  # the hf engine does not count decode calls
     assert evaluated["eval/tool_calls_mean"] == 1 and evaluated["eval/well_formed_calls"] == 1
     assert evaluated["eval/accuracy"] == 0 and "eval/accuracy_no_tool" in evaluated
     samples = [json.loads(line) for line in (tmp_path / "tools" / "samples.jsonl").read_text().splitlines()]
@@ -216,5 +217,9 @@ def test_two_steps_of_tool_use_episodes_on_an_asynchronous_replica(tiny_gguf_fac
         assert row["mismatch/tokens"] == 8 * (len(seen["call"]) + row["turn1/tokens_mean"])
         assert 0 <= row["mismatch/fresh_k3"] < 1e-5  # the f32 replica against the trainer: noise only
         assert row["reward/mean"] == 0.0 and math.isfinite(row["actor/loss"])
+        if row["rollout/decode_calls"] > 0:  # the replica's calls whose results came in since the last step
+            assert 0 < row["rollout/decode_occupancy"] <= 1
+            assert row["rollout/decode_batch_mean"] == pytest.approx(64 * row["rollout/decode_occupancy"], rel=1e-12)
+    assert rows[0]["rollout/decode_calls"] >= 1  # the second turns, sampled by the replica's llama.cpp engine
     assert rows[0]["staleness/off_policy_token_frac"] == 0  # step 1: every token fresh, so its k3 is the noise
     assert "eval/accuracy_no_tool" in evaluated and "eval/tool_calls_mean" in evaluated

@@ -216,3 +216,23 @@ def test_a_dead_replica_is_named_by_its_signal_and_restarted():
     assert said == ["warning: engine replica 1 died (SIGSEGV); restarting it and re-issuing its segments",
                     "warning: engine replica 0 died (exit code 3); restarting it and re-issuing its segments"]
     assert restarted == [(1, "engine.gguf", 3), (0, "engine.gguf", 3)] and service.counters["engine_restarts"] == 2
+
+
+def test_the_service_sums_the_replicas_decode_counts_until_they_are_taken():
+    from types import SimpleNamespace
+
+    from nearpolicy.engines.base import DecodeCounts
+    from nearpolicy.rollouts.service import RolloutService
+
+    received = []
+    scheduler = SimpleNamespace(version=0, on_result=received.append)
+    service = RolloutService(scheduler, SimpleNamespace(replicas=2), lambda g: (1,), None, 0, 4, "engine.gguf")
+    assert service.take_decode_metrics() == {}  # no replica has reported: no metric, not a zero
+    result = SegmentResult(0, 0, 0, (5, 6), (-1.0, -2.0), "length")
+    service._handle([(0, "results", (1, [result], DecodeCounts(3, 6, 12))),  # replica 0: 3 calls of 2 in 4 slots
+                     (1, "results", (2, [], DecodeCounts(1, 4, 4))),  # replica 1: one full call
+                     (0, "results", (3, [], None))])  # an engine that does not count adds nothing
+    assert received == [result]
+    assert service.take_decode_metrics() == {"rollout/decode_calls": 4.0, "rollout/decode_batch_mean": 10 / 4,
+                                             "rollout/decode_occupancy": 10 / 16}
+    assert service.take_decode_metrics() == {"rollout/decode_calls": 0.0}  # taken: the next take counts afresh

@@ -9,6 +9,7 @@ given completions (teacher forcing) under a sampling transform, used for sync ve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -47,6 +48,35 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class DecodeCounts:
+    """How full an engine's sampling decode calls were: `calls` decode calls after the prefill (each one token for
+    every live sequence), `sequences` the live sequences summed over them, `slots` the engine's
+    max_parallel_sequences summed over them (what they could have held). Counts add over calls and replicas."""
+
+    calls: int = 0
+    sequences: int = 0
+    slots: int = 0
+
+    def __add__(self, other: "DecodeCounts") -> "DecodeCounts":
+        return DecodeCounts(self.calls + other.calls, self.sequences + other.sequences, self.slots + other.slots)
+
+    def metrics(self) -> dict[str, float]:
+        """rollout/decode_calls; with at least one call, rollout/decode_batch_mean (live sequences per call) and
+        rollout/decode_occupancy (live sequences / slots, in [0, 1])."""
+        if self.calls == 0:
+            return {"rollout/decode_calls": 0.0}
+        return {"rollout/decode_calls": float(self.calls), "rollout/decode_batch_mean": self.sequences / self.calls,
+                "rollout/decode_occupancy": self.sequences / max(self.slots, 1)}
+
+
+def take_decode_counts(engine) -> DecodeCounts | None:
+    """The DecodeCounts of `engine`'s generate calls since the last take (the engine's count restarts at zero), or
+    None for an engine that does not count them (hf, vllm, the fake engines: their step has no rollout/decode_*)."""
+    take = getattr(engine, "take_decode_counts", None)
+    return None if take is None else take()
 
 
 class EngineError(RuntimeError):

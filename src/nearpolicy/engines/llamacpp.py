@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nearpolicy.engines.base import LLAMA_MAX_SEQ, EngineError
+from nearpolicy.engines.base import LLAMA_MAX_SEQ, DecodeCounts, EngineError
 from nearpolicy.engines.cpu_load import fit_threads, free_cores
 from nearpolicy.engines.kv_reuse import Cached, plan_slots
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
@@ -113,7 +113,8 @@ class LlamaCppEngine:
     >= 0): training samples are drawn from logits + seeded Gaussian noise and their log-probs reported under
     that noisy distribution (engines/sampling.py; config engine.logit_noise); greedy and score are unaffected.
     `kv_reuse`: a prompt continuing a sequence of the previous call (an episode's next turn) keeps its KV cache and
-    decodes only the new tokens (engines/kv_reuse.py); a rollout's extras["prefill_reused"] counts those saved."""
+    decodes only the new tokens (engines/kv_reuse.py); a rollout's extras["prefill_reused"] counts those saved.
+    generate counts its decode calls after the prefill (`take_decode_counts`); greedy and score are not counted."""
 
     def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
                  threads: int = 2, version: int = 0, unified_kv: bool = True, kv_cache: str = "f16",
@@ -122,22 +123,16 @@ class LlamaCppEngine:
         if not 1 <= max_parallel_sequences <= LLAMA_MAX_SEQ:
             raise ValueError(f"engine.max_parallel_sequences = {max_parallel_sequences} is outside llama.cpp's range "
                              f"[1, {LLAMA_MAX_SEQ}] (LLAMA_MAX_SEQ sequences per context)")
-        self.max_context, self.kv_reuse = max_context, kv_reuse
-        self.max_parallel = max_parallel_sequences
-        self.threads = threads
-        self.unified_kv = unified_kv
         if kv_cache not in KV_CACHE_TYPES:
             raise ValueError(f"kv_cache must be one of {sorted(KV_CACHE_TYPES)}, got {kv_cache!r}")
-        self.kv_cache = kv_cache
-        self.flash_attention = flash_attention
-        self.extra_buffers = extra_buffers
-        self.adaptive_threads = adaptive_threads
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
-        self.logit_noise = float(logit_noise)
-        self.version = version
-        self.path = Path(gguf_path)
+        self.max_context, self.kv_reuse, self.max_parallel = max_context, kv_reuse, max_parallel_sequences
+        self.threads, self.unified_kv, self.kv_cache = threads, unified_kv, kv_cache
+        self.flash_attention, self.extra_buffers, self.adaptive_threads = flash_attention, extra_buffers, adaptive_threads
+        self.logit_noise, self.version, self.path = float(logit_noise), version, Path(gguf_path)
         self._model = self._ctx = self._batch = None
+        self._decode_counts = DecodeCounts()
         self._load(self.path)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -301,12 +296,18 @@ class LlamaCppEngine:
                     break
                 if active:
                     logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
+                    self._decode_counts += DecodeCounts(1, len(active), self.max_parallel)
             for s in seqs:
                 s.finish = s.finish or "interrupted"
             if prefilled:  # the wave's caches stay for a continuation
                 self._keep(seqs)
             out += [self._to_rollout(s) for s in seqs]
         return out
+
+    def take_decode_counts(self) -> DecodeCounts:
+        """generate's decode calls after the prefill since the last take (engines/base.DecodeCounts); then zero."""
+        counts, self._decode_counts = self._decode_counts, DecodeCounts()
+        return counts
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Argmax completions (stop token included when emitted), for evaluation."""

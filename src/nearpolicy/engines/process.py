@@ -27,12 +27,12 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.base import DecodeCounts, EngineError, take_decode_counts
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.signals import exit_description
 
-PHASES = {"generate": "rollout", "greedy": "eval", "score": "scoring", "update_weights": "weight sync",
-          "probe": "startup probe"}
+PHASES = {"generate": "rollout", "take_decode_counts": "rollout", "greedy": "eval", "score": "scoring",
+          "update_weights": "weight sync", "probe": "startup probe"}
 CRASH_HOOK = "NEARPOLICY_TEST_ENGINE_CRASH"
 PROBE_TOKENS = 4
 LOG_MARKER = "--- nearpolicy engine process"
@@ -132,6 +132,11 @@ class ProcessEngine:
 
     def score(self, prompt_ids, completion_ids, sampling):
         return self._call("score", prompt_ids, completion_ids, sampling)
+
+    def take_decode_counts(self) -> DecodeCounts | None:
+        """The child engine's decode counts since the last take (engines/base.take_decode_counts): None for an engine
+        that does not count them (vLLM)."""
+        return self._call("take_decode_counts")
 
     def is_stop_token(self, token: int) -> bool:
         return token in self._stop_ids
@@ -257,6 +262,7 @@ def serve(spec: EngineSpec, conn, log_path: str | None, probe_prompt: list[int] 
                 _enable_faulthandler(log_fd)
             crash.on(method)
             result = (engine.update_weights(Path(args[0]), *args[1:]) if method == "update_weights"
+                      else take_decode_counts(engine) if method == "take_decode_counts"
                       else getattr(engine, method)(*args))
             conn.send(("ok", result))
         except Exception as err:  # noqa: BLE001 - the trainer re-raises it

@@ -250,6 +250,7 @@ class EpisodeRollouts(EpisodeSourceParts, InlineRollouts):
         rollouts = [e.to_rollout(self.runner.stop_ids) for e in episodes]
         self._turns = [r.turn_index for r in rollouts]
         metrics = episode_metrics(episodes) | {"episode/prefill_reused_tokens": float(self.runner.reused_prefill)}
+        metrics |= self.decode_metrics()  # every turn's generate call
         return StepSamples(rollouts, problems, data_position + len(problems), metrics)
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from nearpolicy.engines.base import RolloutEngine
+from nearpolicy.engines.base import RolloutEngine, take_decode_counts
 from nearpolicy.rollouts.base import StepSamples
 from nearpolicy.tasks import Problem, Task
 from nearpolicy.types import GenerationRequest, SamplingParams
@@ -38,7 +38,15 @@ class InlineRollouts:
         problems = self.step_problems(data_position)
         requests = [GenerationRequest(gid, tuple(self.prompt_ids(p)), self.group_size) for gid, p in problems.items()]
         seed = int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0])
-        return StepSamples(self.engine.generate(requests, self.sampling, seed), problems, data_position + len(problems))
+        rollouts = self.engine.generate(requests, self.sampling, seed)
+        return StepSamples(rollouts, problems, data_position + len(problems), self.decode_metrics())
+
+    def decode_metrics(self) -> dict[str, float]:
+        """rollout/decode_calls, decode_batch_mean (live sequences per call) and decode_occupancy (of the engine's
+        max_parallel_sequences) of the engine's generate calls since the last read: this collect's, the greedy eval
+        is not counted (engines/base.DecodeCounts); {} for an engine that does not count them (hf, vllm)."""
+        counts = take_decode_counts(self.engine)
+        return {} if counts is None else counts.metrics()
 
     def step_metrics(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined: torch.Tensor,
                      versions: torch.Tensor, version: int) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 Both expose the same small interface to the rollout service: submit(worker, call_id, jobs, sampling, seed),
 poll(timeout) -> events, interrupt_all(), load_all(path, version), restart(worker, path, version), pids(), close().
-Events are (worker, kind, payload) with kind "results" ((call_id, [SegmentResult])), "loaded", "ready", "died"
+Events are (worker, kind, payload) with kind "results" ((call_id, [SegmentResult], the call's DecodeCounts or
+None)), "loaded", "ready", "died"
 (the replica is gone) or "error" (the engine raised: a traceback string). With an EpisodeSetup, every replica runs
 tool-use episodes with its own tools (rollouts/worker.py)."""
 
@@ -96,7 +97,8 @@ class _RayEngine:
 
     def run(self, call_id, jobs, sampling, seed):
         with self.lock:
-            return call_id, self.worker.run(jobs, sampling, seed, self.flag.is_set)
+            results = self.worker.run(jobs, sampling, seed, self.flag.is_set)
+            return call_id, results, self.worker.take_decode_counts()
 
     def interrupt(self) -> None:
         self.flag.set()

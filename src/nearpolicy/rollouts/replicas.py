@@ -66,13 +66,15 @@ class ReplicaRollouts:
 
     def collect(self, step: int, version: int, data_position: int) -> StepSamples:
         """One training batch of complete groups with the staleness metrics of its tokens (the data position
-        after it: the scheduler's next new group)."""
+        after it: the scheduler's next new group) and rollout/decode_* of the replica calls whose results came back
+        since the previous collect (those that filled this batch, and any whose groups wait for a later one)."""
         groups = self.service.next_batch(self.fresh_only)
         rollouts, own = self.to_rollouts(groups)
         problems = {g.group_id: self.task.train_problem(g.group_id) for g in groups}
         for gid in problems:
             self._prompts.pop(gid, None)
         metrics = staleness_metrics(groups, version) | {"staleness/fresh_only": float(self.fresh_only)} | own
+        metrics |= self.service.take_decode_metrics()
         return StepSamples(rollouts, problems, self.sched.next_group_id, metrics)
 
     def to_rollouts(self, groups: list[GroupState]) -> tuple[list[Rollout], dict[str, float]]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.base import DecodeCounts, EngineError
 from nearpolicy.rollouts.scheduler import GroupState, RolloutScheduler
 from nearpolicy.rollouts.types import SegmentJob
 from nearpolicy.signals import exit_description
@@ -27,6 +27,7 @@ class RolloutService:
         self.idle_since = {w: time.perf_counter() for w in range(pool.replicas)}
         self.calls = 0
         self.counters: Counter = Counter()
+        self.decode_counts: DecodeCounts | None = None  # None until a replica reports some
 
     # -- driving the replicas --------------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -53,9 +54,11 @@ class RolloutService:
     def _handle(self, events: list[tuple]) -> None:
         for w, kind, payload in events:
             if kind == "results":
-                call_id, results = payload
+                call_id, results, counts = payload
                 for r in results:
                     self.sched.on_result(r)
+                if counts is not None:
+                    self.decode_counts = counts if self.decode_counts is None else self.decode_counts + counts
                 self.counters["generated_tokens"] += sum(len(r.completion_ids) for r in results)
                 self._free(w)
             elif kind == "died":
@@ -101,6 +104,15 @@ class RolloutService:
         out |= {f"async/{k}_total": float(v) for k, v in self.sched.stats.items()}
         self.counters = Counter()
         return out
+
+    def take_decode_metrics(self) -> dict[str, float]:
+        """rollout/decode_calls, decode_batch_mean and decode_occupancy (engines/base.DecodeCounts) of every replica
+        call whose results came back since the last take, all replicas together (calls summed, occupancy of their
+        slots); then reset. {} while no replica has reported counts; once one has, a take with no call since the last
+        gives rollout/decode_calls 0."""
+        counts = self.decode_counts
+        self.decode_counts = None if counts is None else DecodeCounts()
+        return {} if counts is None else counts.metrics()
 
     def close(self) -> None:
         self.pool.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nearpolicy.engines.base import DecodeCounts, take_decode_counts
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.rollouts.episodes import EpisodeSetup
 from nearpolicy.rollouts.types import SegmentJob, SegmentResult
@@ -90,6 +91,10 @@ class EngineWorker:
                                      tuple(e.logprobs[n:]), finish, e))
         return out
 
+    def take_decode_counts(self) -> DecodeCounts | None:
+        """The engine's decode counts of the runs since the last take (engines/base.take_decode_counts)."""
+        return take_decode_counts(self.engine)
+
     def close(self) -> None:
         try:
             self.engine.close()
@@ -125,7 +130,8 @@ def process_main(worker_id: int, spec: EngineSpec, inbox, outbox, interrupt_even
             if kind == "run":
                 call_id, jobs, sampling, seed = payload
                 stop = lambda: interrupt_event.is_set() or orphaned()  # noqa: E731
-                outbox.put((worker_id, "results", (call_id, worker.run(jobs, sampling, seed, stop))))
+                results = worker.run(jobs, sampling, seed, stop)
+                outbox.put((worker_id, "results", (call_id, results, worker.take_decode_counts())))
             elif kind == "load":
                 worker.load(*payload)
                 interrupt_event.clear()
