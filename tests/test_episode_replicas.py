@@ -221,3 +221,18 @@ def test_episodes_on_the_replicas_are_accepted_and_vllm_is_still_refused():
     assert cfg.episode.enabled and cfg.rollout.engines == 1 and cfg.rollout.partial
     with pytest.raises(ConfigError, match="not supported with engine.kind = 'vllm'"):
         load_config(None, ["episode.enabled=true", "engine.kind=vllm"])
+
+
+def test_staleness_metrics_count_only_an_episodes_trained_tokens():
+    from nearpolicy.rollouts.episode_state import Episode
+    from nearpolicy.rollouts.scheduler import GroupState, SampleState, staleness_metrics
+
+    # 2 model ids at v0, 3 observation ids at v0, 1 model id at v1: trained lags at v1 are [1, 1, 0]
+    episode = Episode(0, 0, [5], 10, [1, 2, 7, 8, 9, 3], [-0.1, -0.2, None, None, None, -0.3], [0, 0, 0, 0, 0, 1],
+                      [True, True, False, False, False, True], [0, 0, 0, 0, 0, 1], 1)
+    sample = SampleState(list(episode.ids), list(episode.logprobs), list(episode.versions), "stop", episode)
+    out = staleness_metrics([GroupState(0, [sample])], version=1)
+    assert out["staleness/tokens_lag_1"] == pytest.approx(2 / 3) and out["staleness/tokens_lag_0"] == pytest.approx(1 / 3)
+    assert out["staleness/mean"] == pytest.approx(2 / 3) and out["staleness/off_policy_token_frac"] == pytest.approx(2 / 3)
+    plain = SampleState(list(episode.ids), list(episode.logprobs), list(episode.versions), "stop")
+    assert staleness_metrics([GroupState(0, [plain])], 1)["staleness/tokens_lag_1"] == pytest.approx(5 / 6)

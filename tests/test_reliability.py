@@ -461,3 +461,7 @@ def test_resume_command_names_the_program_the_user_can_type(monkeypatch, tmp_pat
     assert signals.resume_command("runs/a") == "nearpolicy train --resume runs/a"
     monkeypatch.setattr(signals.sys, "argv", ["/x/nearpolicy/__main__.py"])  # python -m nearpolicy
     assert signals.resume_command("runs/a") == "nearpolicy train --resume runs/a"
+    assert signals.resume_command("runs/my run") == "nearpolicy train --resume 'runs/my run'"
+    monkeypatch.setattr(signals.shutil, "which", lambda name: None)
+    monkeypatch.setattr(signals.sys, "executable", "/opt/py/bin/python3")
+    assert signals.resume_command("runs/a") == "/opt/py/bin/python3 -m nearpolicy train --resume runs/a"

@@ -6,6 +6,7 @@ and is also recorded, so that one raised inside a finalizer (which Python drops)
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -16,13 +17,17 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def resume_command(run_dir: Path | str) -> str:
-    """The command that continues `run_dir`, as the user can type it: `nearpolicy train --resume RUN_DIR`, or with
-    the path the program was started by (e.g. `.venv/bin/nearpolicy`) when `nearpolicy` is not on PATH."""
+    """The command that continues `run_dir`, as the user can type it (shell-quoted): `nearpolicy train --resume
+    RUN_DIR` when `nearpolicy` is on PATH, else the path the program was started by (e.g. `.venv/bin/nearpolicy`),
+    or `PYTHON -m nearpolicy` for a run started with `python -m nearpolicy`."""
     started = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("nearpolicy")
     program = "nearpolicy"
-    if started.name == "nearpolicy" and shutil.which("nearpolicy") is None:
-        program = os.path.relpath(started) if started.is_relative_to(Path.cwd()) else str(started)
-    return f"{program} train --resume {run_dir}"
+    if shutil.which("nearpolicy") is None:
+        if started.name == "nearpolicy":
+            program = shlex.quote(os.path.relpath(started) if started.is_relative_to(Path.cwd()) else str(started))
+        elif started.name == "__main__.py":
+            program = f"{shlex.quote(sys.executable)} -m nearpolicy"
+    return f"{program} train --resume {shlex.quote(str(run_dir))}"
 
 
 def exit_description(exitcode: int | None) -> str:

@@ -13,10 +13,13 @@ import queue
 import threading
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from nearpolicy.engines.llamacpp import EngineSpec
-from nearpolicy.rollouts.episodes import EpisodeSetup
 from nearpolicy.rollouts.worker import EngineWorker, process_main
+
+if TYPE_CHECKING:  # episodes.py imports torch: a replica process without episodes must not pay for it
+    from nearpolicy.rollouts.episodes import EpisodeSetup
 
 
 class LocalPool:

@@ -226,10 +226,17 @@ class RolloutScheduler:
             self.waiting.append(Segment(gid, tuple(range(self.G)), self.version, True))
 
 
+def _trained_versions(s: SampleState) -> list[int]:
+    if s.episode is None:
+        return s.versions
+    return [v for v, own in zip(s.versions, s.episode.model_mask, strict=True) if own]
+
+
 def staleness_metrics(groups: list[GroupState], version: int) -> dict[str, float]:
-    """Token version lag v - v_token over a trained batch: histogram (lag 0..3, 4+), mean, max, the share of
-    off-policy tokens (lag > 0) and of samples that mix versions."""
-    lags = [version - v for g in groups for s in g.samples for v in s.versions]
+    """Token version lag v - v_token over the trained tokens of a batch (a tool-use episode's model tokens only: its
+    observation ids are never trained): histogram (lag 0..3, 4+), mean, max, the share of off-policy tokens (lag >
+    0) and of samples that mix versions."""
+    lags = [version - v for g in groups for s in g.samples for v in _trained_versions(s)]
     samples = [s for g in groups for s in g.samples]
     n = max(len(lags), 1)
     hist = Counter(min(lag, 4) for lag in lags)

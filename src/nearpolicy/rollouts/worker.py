@@ -16,14 +16,17 @@ import copy
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from nearpolicy.engines.base import DecodeCounts, take_decode_counts
 from nearpolicy.engines.llamacpp import EngineSpec
-from nearpolicy.rollouts.episodes import EpisodeSetup
 from nearpolicy.rollouts.types import SegmentJob, SegmentResult
 from nearpolicy.types import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:  # episodes.py imports torch: a replica process without episodes must not pay for it
+    from nearpolicy.rollouts.episodes import EpisodeSetup
 
 
 class EngineWorker:
