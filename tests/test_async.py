@@ -207,7 +207,7 @@ def test_ray_driver_forwards_sigterm_the_trainer_actor_checkpoints_and_the_run_r
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=300)[1]
     assert proc.returncode == 143, err[-3000:]
-    stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint (\S+) \(continue: nearpolicy train --resume \S+\)", err)
+    stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint (\S+) \(continue: (?:\S+ -m )?nearpolicy train --resume \S+\)", err)
     assert stopped, err[-3000:]
     step = int(stopped.group(1))
     assert step >= 2 and Path(stopped.group(2)).is_dir()

@@ -97,7 +97,7 @@ def test_sigterm_checkpoints_the_last_step_and_resume_reproduces_the_run(referen
     stopped_at = _steps_written(run)[-1]
     assert 1 <= stopped_at < STEPS
     saved = run / "checkpoints" / f"step_{stopped_at:06d}"
-    assert f"stopped by SIGTERM at step {stopped_at}; checkpoint {saved} (continue: nearpolicy train --resume {run})" in err
+    assert f"stopped by SIGTERM at step {stopped_at}; checkpoint {saved} (continue: {_hint_of_python_m(run)})" in err
     assert [p.name for p in list_checkpoints(run)] == [saved.name]
     assert _assert_loadable(saved, model)["step"] == stopped_at
     resumed = _train(args + ["--resume"], tmp_path)
@@ -140,3 +140,13 @@ def test_sigkill_leaves_a_loadable_checkpoint_and_resume_reproduces_the_run(refe
         assert f"no loadable checkpoint in {run}: starting from step 0" in resumed.stderr
         assert [json.loads(line)["step"] for line in (run / "metrics.before-resume.jsonl").read_text().splitlines()] == [0]
     _assert_reproduces(run, rows)
+
+
+def _hint_of_python_m(run_dir) -> str:
+    """The continue hint a `python -m nearpolicy` child prints (its argv[0] is nearpolicy/__main__.py)."""
+    from unittest import mock
+
+    from nearpolicy import signals
+
+    with mock.patch.object(signals.sys, "argv", ["nearpolicy/__main__.py"]):
+        return signals.resume_command(run_dir)
