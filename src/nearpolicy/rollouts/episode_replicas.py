@@ -33,9 +33,7 @@ class EpisodeReplicaRollouts(EpisodeSourceParts, ReplicaRollouts):
                  plain_prompt_ids: Callable[[Problem], list[int]], sampling: SamplingParams, setup: EpisodeSetup,
                  runner: EpisodeRunner, log=print):
         super().__init__(cfg, engine, export, folder, spec_for, task, prompt_ids, sampling, log, episodes=setup)
-        self.runner, self.plain_prompt_ids = runner, plain_prompt_ids
-        self.eval_without_tool, self.plain_tokens = cfg.episode.eval_without_tool, cfg.sampling.max_new_tokens
-        self._turns: list[list[int]] = []
+        self._init_episode_parts(runner, plain_prompt_ids, cfg.episode.eval_without_tool, cfg.sampling.max_new_tokens)
 
     def to_rollouts(self, groups: list[GroupState]) -> tuple[list[Rollout], dict[str, float]]:
         """Each sample's finished episode as its Rollout (model mask, turn index, versions verbatim) and the
@@ -43,6 +41,4 @@ class EpisodeReplicaRollouts(EpisodeSourceParts, ReplicaRollouts):
         episodes = [s.episode for g in groups for s in g.samples]
         if any(e is None or not e.done for e in episodes):
             raise ValueError("a complete group of an episode run holds a sample without a finished episode")
-        rollouts = [e.to_rollout(self.runner.stop_ids) for e in episodes]
-        self._turns = [r.turn_index for r in rollouts]
-        return rollouts, episode_metrics(episodes)
+        return self._trained_rollouts(episodes), episode_metrics(episodes)

@@ -180,8 +180,19 @@ class EpisodeSourceParts:
     """What both episode sources share (EpisodeRollouts here, EpisodeReplicaRollouts in rollouts/episode_replicas.py,
     each listing this class first): the per-turn k3 of the last collect's rows, the greedy eval with and without
     the tool, and closing the runner's ToolClient with the source. Needs `runner` (an EpisodeRunner in the trainer's
-    process), `prompt_ids`, `plain_prompt_ids`, `eval_without_tool`, `plain_tokens` and `_turns` (turn_index of each
-    row of the last collect, in collect order)."""
+    process) and `prompt_ids`; `_init_episode_parts` sets the rest."""
+
+    def _init_episode_parts(self, runner: EpisodeRunner, plain_prompt_ids: Callable[[Problem], list[int]],
+                            eval_without_tool: bool, plain_tokens: int) -> None:
+        self.runner, self.plain_prompt_ids = runner, plain_prompt_ids
+        self.eval_without_tool, self.plain_tokens = eval_without_tool, plain_tokens
+        self._turns: list[list[int]] = []  # turn_index of each row of the last collect, in collect order
+
+    def _trained_rollouts(self, episodes: list[Episode]) -> list[Rollout]:
+        """The finished episodes as the step's Rollouts, in order; remembers their turn index for step_metrics."""
+        rollouts = [e.to_rollout(self.runner.stop_ids) for e in episodes]
+        self._turns = [r.turn_index for r in rollouts]
+        return rollouts
 
     def step_metrics(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, defined: torch.Tensor,
                      versions: torch.Tensor, version: int) -> dict[str, float]:
@@ -236,9 +247,7 @@ class EpisodeRollouts(EpisodeSourceParts, InlineRollouts):
                  runner: EpisodeRunner, sampling: SamplingParams, group_size: int, prompts_per_step: int, seed: int,
                  eval_without_tool: bool = True, plain_tokens: int = 64):
         super().__init__(engine, weights, task, prompt_ids, sampling, group_size, prompts_per_step, seed)
-        self.runner, self.plain_prompt_ids = runner, plain_prompt_ids
-        self.eval_without_tool, self.plain_tokens = eval_without_tool, plain_tokens
-        self._turns: list[list[int]] = []
+        self._init_episode_parts(runner, plain_prompt_ids, eval_without_tool, plain_tokens)
 
     def collect(self, step: int, version: int, data_position: int) -> StepSamples:
         problems = self.step_problems(data_position)
@@ -247,8 +256,7 @@ class EpisodeRollouts(EpisodeSourceParts, InlineRollouts):
         seed = lambda turn: int(np.random.SeedSequence([self.seed, step, turn]).generate_state(1)[0])  # noqa: E731
         self.runner.reused_prefill = 0
         self.runner.run(self.engine, episodes, self.sampling, seed)
-        rollouts = [e.to_rollout(self.runner.stop_ids) for e in episodes]
-        self._turns = [r.turn_index for r in rollouts]
+        rollouts = self._trained_rollouts(episodes)
         metrics = episode_metrics(episodes) | {"episode/prefill_reused_tokens": float(self.runner.reused_prefill)}
         metrics |= self.decode_metrics()  # every turn's generate call
         return StepSamples(rollouts, problems, data_position + len(problems), metrics)
