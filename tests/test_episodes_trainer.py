@@ -93,7 +93,6 @@ class ToolAnswerTask:
         return getattr(self.task, name)
 
 
-@pytest.mark.slow
 def _two_steps(model_path, tmp_path, extra: list[str] = (), replicas: bool = False):
     """Two Trainer steps + an eval of a tool-use run on the tiny model `model_path` (hf engine, the real tool
     server), the first turn of every episode scripted to call the calculator: (step rows, eval metrics, the call /

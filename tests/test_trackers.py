@@ -107,3 +107,33 @@ def test_eval_policy_picks_the_model_the_eval_runs(tiny_model_dir, tmp_path, eva
     assert expected > 0 or eval_policy == "engine"
     assert metrics["eval/response_length"] == pytest.approx(expected, abs=1e-9)
     assert trainer.s.plan["eval_policy"] == {"engine": "rollout engine", "trainer": "trainer:fp32"}[eval_policy]
+
+
+def test_a_resumed_run_shows_the_last_eval_accuracy_from_its_metrics(tmp_path):
+    from nearpolicy.resume import resumed_progress
+
+    rows = [{"step": 0, "eval/accuracy": 0.125}, {"step": 1, "reward/mean": 0.5}, {"step": 2, "eval/accuracy": 0.375},
+            {"step": 3, "eval/accuracy": 0.625}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert resumed_progress(tmp_path, 2) == {"acc": "0.38"}  # step 3's row is after the checkpoint: not counted
+    assert resumed_progress(tmp_path, 1) == {"acc": "0.12"}
+    (tmp_path / "metrics.jsonl").write_text("{not json\n{}\n")
+    assert resumed_progress(tmp_path, 2) == {}
+
+
+def test_resume_restores_the_progress_accuracy(tiny_model_dir, tmp_path):
+    from nearpolicy.trainer import open_trainer
+
+    _tiny_run(tiny_model_dir, tmp_path, "logging.checkpoint_every=1")
+    cfg = load_config(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'", "run.name=tracked",
+                             "run.steps=3", "run.threads=1", "algorithm.prompts_per_step=1", "algorithm.group_size=2",
+                             "algorithm.micro_batch_size=2", "sampling.max_new_tokens=4", "task.eval_size=2",
+                             "task.train_size=20", "logging.eval_every=1", "logging.checkpoint_every=1",
+                             "logging.progress=false", "model.max_context=256", "engine.kind=hf"])
+    last = [json.loads(line) for line in (tmp_path / "tracked" / "metrics.jsonl").read_text().splitlines()][-1]
+    trainer = open_trainer(cfg, resume=True, log=lambda _: None)
+    try:
+        assert trainer.state.step == 2
+        assert trainer.postfix == {"acc": f"{last['eval/accuracy']:.2f}"}
+    finally:
+        trainer.close()

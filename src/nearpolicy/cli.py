@@ -2,7 +2,7 @@
 --resume RUN_DIR [--set ...]`, `nearpolicy list [NAME]`, `nearpolicy config`, `nearpolicy summary RUN_DIR`,
 `nearpolicy report RUN_DIR [-o OUT.html]`, `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`,
 `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy arena ARENA.toml [--out DIR] [--dry-run]
-[--only CELL_GLOB]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
+[--only CELL_GLOB] [--page]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
 [--gguf PRECISION ...]`, `nearpolicy doctor`, `nearpolicy --version`."""
 
 from __future__ import annotations

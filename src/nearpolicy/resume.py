@@ -193,3 +193,15 @@ def note_engine_precision(saved: dict, precision: str, log=print) -> None:
     if before is not None and before != precision:
         log(f"engine.precision changes on resume: {before} -> {precision} (the weights are exported at {precision} "
             "from now on; expect a different engine/trainer mismatch)")
+
+
+def resumed_progress(run_dir: Path, step: int) -> dict[str, str]:
+    """The progress bar's figures at a resume: the accuracy of the last eval logged at or before `step` (as
+    phases.progress_postfix writes it), so `acc=` survives a restart; {} when none is logged or metrics.jsonl
+    cannot be read (the resume checks have already said why)."""
+    try:
+        rows = read_metrics(run_dir).rows
+    except RunFolderError:
+        return {}
+    evals = [row["eval/accuracy"] for row in rows if row["step"] <= step and row.get("eval/accuracy") is not None]
+    return {"acc": f"{evals[-1]:.2f}"} if evals else {}

@@ -26,7 +26,7 @@ from nearpolicy.phases import (distill_advantages, eval_metrics, eval_samples, m
 from nearpolicy.policy import recompute_logprobs
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
-from nearpolicy.resume import check_run_folder, note_engine_precision, set_aside_restarted_metrics
+from nearpolicy.resume import check_run_folder, note_engine_precision, resumed_progress, set_aside_restarted_metrics
 from nearpolicy.runs import MetricsSink, resume_checkpoint, save_checkpoint, write_json
 from nearpolicy.samples import SampleLog
 from nearpolicy.setup import Session, assemble, policy_engine, sampling_params
@@ -198,8 +198,7 @@ class Trainer:
                                    self.settings, sample_keep=keep, ref_model=kl_reference(self.cfg, self.s), ewma_logprobs=ewma,
                                    version=self.state.version,
                                    on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
-        if update.entropy is None:
-            update.entropy = entropy
+        update.entropy = entropy if update.entropy is None else update.entropy
         update.metrics["actor/lr"] = lr
         return update
 
@@ -255,7 +254,7 @@ class Trainer:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.run.steps, initial=self.state.step, desc=cfg.run.name,
-                   disable=not (progress and cfg.logging.progress), dynamic_ncols=True)
+                   disable=not (progress and cfg.logging.progress), dynamic_ncols=True, postfix=self.postfix or None)
         try:
             return self._fit(stop, bar)
         finally:
@@ -343,5 +342,6 @@ class Trainer:
                                 scorer_errors=saved.get("scorer_errors", 0), scheduler=saved.get("scheduler"))
         self.guard.restore(saved)
         self.saved = path
+        self.postfix = resumed_progress(self.run_dir, self.state.step)
         note_engine_precision(saved, self.cfg.engine.precision, self.log)
         self.log(f"resumed from {path} at step {self.state.step}")
