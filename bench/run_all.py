@@ -109,7 +109,8 @@ class Harness:
         return [f"run.steps={s['grpo_steps']}", f"run.threads={self.args.threads}", f"task.eval_size={s['eval_size']}",
                 f"algorithm.prompts_per_step={s['prompts']}", f"algorithm.group_size={s['group']}",
                 f"algorithm.micro_batch_size={s['micro_batch']}", f"algorithm.lr={s['lr']}",
-                f"sampling.max_new_tokens={s['grpo_new_tokens']}"]
+                f"sampling.max_new_tokens={s['grpo_new_tokens']}",
+                "algorithm.lr_schedule=constant", "algorithm.warmup_steps=0"]  # TRL's constant lr, not the recipe's
 
     def nearpolicy_grpo(self, name: str, diagnostics: bool) -> dict | None:
         sets = self.grpo_overrides() + [

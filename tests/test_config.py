@@ -50,13 +50,17 @@ def test_override_without_equals_is_rejected():
         load_config(None, ["run.steps"])
 
 
-def test_main_job_config_is_the_embedded_defaults():
+def test_main_job_config_is_the_embedded_defaults_plus_its_lr_recipe():
     from pathlib import Path
 
     main = load_config(Path(__file__).parent.parent / "configs" / "main.toml")
     defaults = load_config(None)
     assert main.task.resolved_options() == defaults.task.resolved_options()
-    same = {"correction": defaults.correction, "task": main.task.model_copy(update={"options": None})}
+    recipe = {"lr": 1.5e-5, "lr_schedule": "cosine", "warmup_steps": 2}
+    assert {key: getattr(main.algorithm, key) for key in recipe} == recipe
+    assert (defaults.algorithm.lr, defaults.algorithm.lr_schedule, defaults.algorithm.warmup_steps) == (2e-5, "constant", 0)
+    same = {"correction": defaults.correction, "task": main.task.model_copy(update={"options": None}),
+            "algorithm": main.algorithm.model_copy(update={key: getattr(defaults.algorithm, key) for key in recipe})}
     assert main.model_copy(update=same) == defaults
     assert main.correction.spec() == defaults.correction.spec()
 
