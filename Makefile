@@ -1,4 +1,4 @@
-# `make train` runs the main job on the embedded defaults; `make test` runs the test suite (`make test-fast`: the
+# `make train` runs the main job (configs/main.toml: the embedded defaults + its lr recipe); `make test` runs the test suite (`make test-fast`: the
 # inner loop, without the slow tests);
 # `make bench` writes docs/benchmarks.md (bench/run_all.py; TRL in .venv-bench);
 # `make report` writes RUN's HTML report (default: the main job's run folder) to RUN/report.html;

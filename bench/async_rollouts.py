@@ -36,7 +36,8 @@ def run(name: str, sets: list[str], args, out_dir: Path) -> dict:
     common = [f"run.output_dir='{out_dir}'", f"run.name={run_name}", f"run.steps={args.steps}",
               "algorithm.prompts_per_step=4", "algorithm.group_size=4", f"sampling.max_new_tokens={args.max_new_tokens}",
               f"task.eval_size={args.eval_size}", f"logging.eval_every={args.steps}", "logging.checkpoint_every=1000",
-              "logging.progress=false", "logging.tensorboard=false", "rollout.resync_ess=0"]
+              "logging.progress=false", "logging.tensorboard=false", "rollout.resync_ess=0",
+              "algorithm.lr=2e-5", "algorithm.lr_schedule=constant", "algorithm.warmup_steps=0"]  # not main.toml's recipe
     cmd = [sys.executable, "-m", "nearpolicy", "train", "configs/main.toml"]
     for s in common + sets:
         cmd += ["--set", s]

@@ -102,6 +102,14 @@ def test_resume_says_what_it_continues_and_that_a_finished_run_has_nothing_to_do
     assert check_run_folder(longer, resume=True).said == f"resumes {run} from step_000002: steps 3 to 5"
 
 
+def test_a_finished_run_on_a_decaying_schedule_is_not_told_to_add_steps(tmp_path):
+    cfg = _cfg(tmp_path, "run.steps=2", "algorithm.lr_schedule=cosine")
+    run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
+    with pytest.raises(RunFinished, match=r"run\.steps = 2\); its cosine lr schedule ended at run\.steps, so it cannot "
+                                          r"be extended; to train further, start a new run from its exported checkpoint"):
+        check_run_folder(cfg, resume=True)
+
+
 @pytest.mark.parametrize("damage", ["model.safetensors", "optimizer.safetensors", "trainer_state.json"])
 def test_a_damaged_last_checkpoint_is_not_a_finished_run(tmp_path, damage):
     """The newest checkpoint cut short (a kill, a full disk): the resume continues from the one before, as the load

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nearpolicy.config import Config, ConfigError, config_from_data, parse_override
-from nearpolicy.runs import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_step, list_checkpoints,
-                             read_json_object, read_metrics)
+from nearpolicy.runs import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_step, is_finite_number,
+                             list_checkpoints, read_json_object, read_metrics)
 from nearpolicy.tasks.identity import data_changes, data_identity
 
 # May change on --resume: none of them changes what a step computes.
@@ -165,9 +165,12 @@ def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path
         return FolderCheck(data, f"--resume in {run_dir}, which has {none}: starts from step 0")
     path, step = found
     if step >= cfg.run.steps:
+        further = (f"to train further, resume with more steps: nearpolicy train --resume {run_dir} --set run.steps=N "
+                   f"(N > {step})") if cfg.algorithm.lr_schedule == "constant" else (
+            f"its {cfg.algorithm.lr_schedule} lr schedule ended at run.steps, so it cannot be extended; to train "
+            "further, start a new run from its exported checkpoint (nearpolicy export)")
         raise RunFinished(f"nothing to do: {run_dir} is finished (its last checkpoint {path.name} is at step {step}, "
-                          f"run.steps = {cfg.run.steps}); to train further, resume with more steps: nearpolicy train "
-                          f"--resume {run_dir} --set run.steps=N (N > {step})")
+                          f"run.steps = {cfg.run.steps}); {further}")
     skipped = f" (newer, damaged: {', '.join(p.name for p in checkpoints[checkpoints.index(path) + 1:])})" \
         if path != checkpoints[-1] else ""
     return FolderCheck(data, f"resumes {run_dir} from {path.name}{skipped}: steps {step + 1} to {cfg.run.steps}")
@@ -203,5 +206,5 @@ def resumed_progress(run_dir: Path, step: int) -> dict[str, str]:
         rows = read_metrics(run_dir).rows
     except RunFolderError:
         return {}
-    evals = [row["eval/accuracy"] for row in rows if row["step"] <= step and row.get("eval/accuracy") is not None]
+    evals = [row["eval/accuracy"] for row in rows if row["step"] <= step and is_finite_number(row.get("eval/accuracy"))]
     return {"acc": f"{evals[-1]:.2f}"} if evals else {}
