@@ -19,7 +19,7 @@ from collections.abc import Sequence
 TARGETS = {
     "rollout_vs_generate": 2.0,  # nearpolicy rollout with log-probs / transformers generate, same batch
     "rollout_vs_decode_bound": 0.40,  # rollout tokens/s / (GEMM peak / (2 x params)) at prompts x G
-    "grpo_step_vs_trl": 0.5,  # nearpolicy step time / TRL step time
+    "grpo_step_vs_trl": 0.33,  # nearpolicy step time / TRL step time (issue 19)
     "diagnostics_overhead": 0.02,  # mismatch metrics time / step time
     "trainer_vs_gemm_peak": 0.50,  # achieved forward+backward FLOP/s / GEMM peak
 }
@@ -199,7 +199,8 @@ def targets_rows(res: dict, d: dict) -> list[list[str]]:
                      f"{100 * v:.0f}%", verdict(v, TARGETS["rollout_vs_decode_bound"], True)])
     if "grpo_step_ratio" in d:
         v = d["grpo_step_ratio"]["median"]
-        rows.append(["GRPO step <= 0.5 x TRL's", f"{v:.2f}x", verdict(v, TARGETS["grpo_step_vs_trl"], False)])
+        target = TARGETS["grpo_step_vs_trl"]
+        rows.append([f"GRPO step <= {target} x TRL's", f"{v:.2f}x", verdict(v, target, False)])
     if "diagnostics_overhead" in d:
         v = d["diagnostics_overhead"]["median"]
         rows.append(["diagnostics < 2% of step time", f"{100 * v:.3f}%", verdict(v, TARGETS["diagnostics_overhead"], False)])
