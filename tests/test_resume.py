@@ -106,7 +106,8 @@ def test_a_finished_run_on_a_decaying_schedule_is_not_told_to_add_steps(tmp_path
     cfg = _cfg(tmp_path, "run.steps=2", "algorithm.lr_schedule=cosine")
     run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
     with pytest.raises(RunFinished, match=r"run\.steps = 2\); its cosine lr schedule ended at run\.steps, so it cannot "
-                                          r"be extended; to train further, start a new run from its exported checkpoint"):
+                                          r"be extended; to train further, start a new run from its exported checkpoint: nearpolicy export "
+                                          rf"{run}, then nearpolicy train --set model.path={run}/export/step_000002"):
         check_run_folder(cfg, resume=True)
 
 

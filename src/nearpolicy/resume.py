@@ -73,7 +73,9 @@ def check_same_config(saved_path: Path, cfg: Config) -> None:
     if steps_then != cfg.run.steps and cfg.algorithm.lr_schedule != "constant":
         raise RunExistsError(f"--resume with run.steps {steps_then} -> {cfg.run.steps}: with algorithm.lr_schedule = "
                              f"{cfg.algorithm.lr_schedule!r} run.steps is the schedule's length, so every later step's "
-                             "learning rate would change (start a new run.name to train longer)")
+                             "learning rate would change, so the run cannot be extended (train longer in a new run.name, or from this run's "
+                             "exported checkpoint with --set model.path=...; algorithm.lr_schedule = 'constant' runs "
+                             "can be extended)")
     if changed:
         allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
         raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
@@ -168,7 +170,8 @@ def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path
         further = (f"to train further, resume with more steps: nearpolicy train --resume {run_dir} --set run.steps=N "
                    f"(N > {step})") if cfg.algorithm.lr_schedule == "constant" else (
             f"its {cfg.algorithm.lr_schedule} lr schedule ended at run.steps, so it cannot be extended; to train "
-            "further, start a new run from its exported checkpoint (nearpolicy export)")
+            f"further, start a new run from its exported checkpoint: nearpolicy export {run_dir}, then nearpolicy "
+            f"train --set model.path={run_dir}/export/step_{step:06d} --set run.name=NEW")
         raise RunFinished(f"nothing to do: {run_dir} is finished (its last checkpoint {path.name} is at step {step}, "
                           f"run.steps = {cfg.run.steps}); {further}")
     skipped = f" (newer, damaged: {', '.join(p.name for p in checkpoints[checkpoints.index(path) + 1:])})" \
