@@ -72,9 +72,9 @@ class TrainResult:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The validated config of the TOML file `path` (None: the embedded defaults; configs/main.toml adds its lr recipe) with
-    `overrides` ("section.key=value", the value read as TOML, like `--set`) applied on top. Raises ConfigError naming
-    the offending key. See config.load_config for the layering rules."""
+    """The validated config of the TOML file `path` (None: the embedded defaults; configs/main.toml adds its lr
+    recipe) with `overrides` ("section.key=value", the value read as TOML, like `--set`) applied on top. Raises
+    ConfigError naming the offending key. See config.load_config for the layering rules."""
     return _load_config(None if path is None else Path(path), list(overrides))
 
 

@@ -73,9 +73,9 @@ def check_same_config(saved_path: Path, cfg: Config) -> None:
     if steps_then != cfg.run.steps and cfg.algorithm.lr_schedule != "constant":
         raise RunExistsError(f"--resume with run.steps {steps_then} -> {cfg.run.steps}: with algorithm.lr_schedule = "
                              f"{cfg.algorithm.lr_schedule!r} run.steps is the schedule's length, so every later step's "
-                             "learning rate would change, so the run cannot be extended (train longer in a new run.name, or from this run's "
-                             "exported checkpoint with --set model.path=...; algorithm.lr_schedule = 'constant' runs "
-                             "can be extended)")
+                             "learning rate would change, so the run cannot be extended (train longer in a new "
+                             "run.name, or from this run's exported checkpoint with --set model.path=...; "
+                             "algorithm.lr_schedule = 'constant' runs can be extended)")
     if changed:
         allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
         raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
