@@ -8,7 +8,7 @@ import json
 import pytest
 
 from nearpolicy.config import load_config
-from nearpolicy.phases import progress_postfix
+from nearpolicy.phases import accuracy_figure, progress_postfix
 from nearpolicy.runs import finite_scalars
 from nearpolicy.trackers import TrackerError, WandbTracker
 
@@ -110,15 +110,16 @@ def test_eval_policy_picks_the_model_the_eval_runs(tiny_model_dir, tmp_path, eva
 
 
 def test_a_resumed_run_shows_the_last_eval_accuracy_from_its_metrics(tmp_path):
-    from nearpolicy.resume import resumed_progress
+    from nearpolicy.resume import last_eval_accuracy
 
     rows = [{"step": 0, "eval/accuracy": 0.125}, {"step": 1, "reward/mean": 0.5}, {"step": 2, "eval/accuracy": 0.375},
             {"step": 3, "eval/accuracy": 0.625}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert resumed_progress(tmp_path, 2) == {"acc": "0.38"}  # step 3's row is after the checkpoint: not counted
-    assert resumed_progress(tmp_path, 1) == {"acc": "0.12"}
+    assert last_eval_accuracy(tmp_path, 2) == 0.375  # step 3's row is after the checkpoint: not counted
+    assert last_eval_accuracy(tmp_path, 1) == 0.125
+    assert accuracy_figure(last_eval_accuracy(tmp_path, 2)) == {"acc": "0.38"} and accuracy_figure(None) == {}
     (tmp_path / "metrics.jsonl").write_text("{not json\n{}\n")
-    assert resumed_progress(tmp_path, 2) == {}
+    assert last_eval_accuracy(tmp_path, 2) is None
 
 
 def test_resume_restores_the_progress_accuracy(tiny_model_dir, tmp_path):

@@ -126,12 +126,17 @@ def eval_metrics(results: list[ScoreResult], completions: list[list[int]]) -> di
             "eval/response_length": float(np.mean([len(c) for c in completions]))}
 
 
+def accuracy_figure(accuracy: float | None) -> dict[str, str]:
+    """The progress bar's eval figure `acc=` ({} without an accuracy): after an eval, at step 0 and at a resume."""
+    return {} if accuracy is None else {"acc": f"{accuracy:.2f}"}
+
+
 def progress_postfix(metrics: dict[str, float], before: dict[str, str] | None = None) -> dict[str, str]:
     """The progress bar's figures after a step: reward, k3 mismatch, and the latest eval accuracy (kept from
     `before`, the previous figures, on steps without an eval)."""
     figures = dict(reward=f"{metrics['reward/mean']:.2f}", k3=f"{metrics.get('mismatch/k3', float('nan')):.1e}")
     if metrics.get("eval/accuracy") is not None:
-        figures["acc"] = f"{metrics['eval/accuracy']:.2f}"
+        figures |= accuracy_figure(metrics["eval/accuracy"])
     elif before and "acc" in before:
         figures["acc"] = before["acc"]
     return figures

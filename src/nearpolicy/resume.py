@@ -201,13 +201,12 @@ def note_engine_precision(saved: dict, precision: str, log=print) -> None:
             "from now on; expect a different engine/trainer mismatch)")
 
 
-def resumed_progress(run_dir: Path, step: int) -> dict[str, str]:
-    """The progress bar's figures at a resume: the accuracy of the last eval logged at or before `step` (as
-    phases.progress_postfix writes it), so `acc=` survives a restart; {} when none is logged or metrics.jsonl
-    cannot be read (the resume checks have already said why)."""
+def last_eval_accuracy(run_dir: Path, step: int) -> float | None:
+    """The accuracy of the last finite eval logged at or before `step` (the progress bar's `acc=` at a resume); None
+    when none is logged or metrics.jsonl cannot be read (the resume checks have already said why)."""
     try:
         rows = read_metrics(run_dir).rows
     except RunFolderError:
-        return {}
+        return None
     evals = [row["eval/accuracy"] for row in rows if row["step"] <= step and is_finite_number(row.get("eval/accuracy"))]
-    return {"acc": f"{evals[-1]:.2f}"} if evals else {}
+    return evals[-1] if evals else None

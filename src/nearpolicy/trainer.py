@@ -21,12 +21,12 @@ from nearpolicy.guards import BadStepGuard, check_finite_weights
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.phases import (distill_advantages, eval_metrics, eval_samples, mismatch_diagnostics, progress_postfix,
-                               score_texts, step_metrics, turn_credit_advantages)
+from nearpolicy.phases import (accuracy_figure, distill_advantages, eval_metrics, eval_samples, mismatch_diagnostics,
+                               progress_postfix, score_texts, step_metrics, turn_credit_advantages)
 from nearpolicy.policy import recompute_logprobs
 from nearpolicy.proximal_policy import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
-from nearpolicy.resume import check_run_folder, note_engine_precision, resumed_progress, set_aside_restarted_metrics
+from nearpolicy.resume import check_run_folder, last_eval_accuracy, note_engine_precision, set_aside_restarted_metrics
 from nearpolicy.runs import MetricsSink, resume_checkpoint, save_checkpoint, write_json
 from nearpolicy.samples import SampleLog
 from nearpolicy.setup import Session, assemble, policy_engine, sampling_params
@@ -274,7 +274,7 @@ class Trainer:
             bar.set_postfix(phase="eval")
             first = self.evaluate()
             self.metrics.write(0, first)
-            self.postfix = {"acc": f"{first['eval/accuracy']:.2f}"}
+            self.postfix = accuracy_figure(first["eval/accuracy"])
             bar.set_postfix(self.postfix)
             self.log(f"step 0 eval accuracy {first['eval/accuracy']:.3f}")
         while self.state.step < cfg.run.steps:
@@ -342,6 +342,6 @@ class Trainer:
                                 scorer_errors=saved.get("scorer_errors", 0), scheduler=saved.get("scheduler"))
         self.guard.restore(saved)
         self.saved = path
-        self.postfix = resumed_progress(self.run_dir, self.state.step)
+        self.postfix = accuracy_figure(last_eval_accuracy(self.run_dir, self.state.step))
         note_engine_precision(saved, self.cfg.engine.precision, self.log)
         self.log(f"resumed from {path} at step {self.state.step}")
