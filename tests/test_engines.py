@@ -210,3 +210,25 @@ def test_hf_engine_logprobs_match_the_trainer(tiny_policy, dtype, bound):
     scored = engine.score(rollouts[0].prompt_ids, rollouts[0].completion_ids, sampling)
     # bf16: the cached decode and the one-pass forward round differently (measured up to 0.04 nats)
     assert np.allclose(scored, rollouts[0].rollout_logprobs, rtol=0, atol=0.1 if dtype == "bf16" else 5e-5)
+
+
+def test_greedy_refills_finished_slots_and_every_id_is_the_trainers_argmax(tiny_gguf_factory, tiny_policy):
+    """Continuous batching (engines/llama_context.greedy_continuous): 7 prompts through 3 KV streams, sequences
+    ending at different steps (a stop rule on the ids), so finished slots are refilled while others decode. Every
+    id must be the trainer's argmax at its position (f32 engine: within 1e-4 of the max logit; a row handed to the
+    wrong sequence would be off by whole logits), and each completion ends at its first stop id or the limit."""
+    from nearpolicy.engines.llama_context import greedy_continuous
+
+    engine = LlamaCppEngine(tiny_gguf_factory("f32"), max_context=128, max_parallel_sequences=3, threads=2,
+                            kv_cache="f32", adaptive_threads=False)
+    prompts = [tuple(PROMPTS[i % 2][: 3 + i % 4]) + (100 + i,) for i in range(7)]
+    stops = lambda tok: tok % 3 == 0  # noqa: E731  about a third of ids end a sequence
+    out = greedy_continuous(engine._greedy_context(64), prompts, 6, stops, kv_reuse=False)
+    engine.close()
+    assert len(out) == 7 and len({len(ids) for ids in out}) > 1  # sequences ended at different steps
+    for prompt, ids in zip(prompts, out):
+        assert all(not stops(t) for t in ids[:-1]) and (stops(ids[-1]) or len(ids) == 6)
+        with torch.no_grad():
+            logits = tiny_policy[0](input_ids=torch.tensor([list(prompt) + ids])).logits[0, len(prompt) - 1 : -1]
+        picked = logits.gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        assert (logits.max(-1).values - picked).max().item() < 1e-4

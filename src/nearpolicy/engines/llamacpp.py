@@ -11,14 +11,14 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from nearpolicy.engines.base import LLAMA_MAX_SEQ, DecodeCounts, EngineError
 from nearpolicy.engines.cpu_load import fit_threads, free_cores
-from nearpolicy.engines.kv_reuse import Cached, plan_slots
+from nearpolicy.engines.llama_context import KVContext, Seq, greedy_continuous
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
@@ -85,23 +85,6 @@ class EngineSpec:
         set_log_file(fd, min_level=2 if first_load else 3)
 
 
-@dataclass
-class _Seq:
-    """One sequence being decoded: its slot in the KV cache and what it produced so far."""
-
-    request: GenerationRequest
-    sample_index: int
-    seq_id: int
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: str | None = None
-    reused: int = 0  # prompt tokens whose KV cache this sequence continued (engines/kv_reuse.py)
-
-    @property
-    def next_pos(self) -> int:
-        return len(self.request.prompt_ids) + len(self.ids) - 1
-
-
 class LlamaCppEngine:
     """Rollout engine over one GGUF file. `max_context` bounds prompt + completion per sequence (tokens);
     `kv_cache` is the KV-cache dtype ("f16", llama.cpp's default, or "f32"); `flash_attention` enables
@@ -131,7 +114,7 @@ class LlamaCppEngine:
         self.threads, self.unified_kv, self.kv_cache = threads, unified_kv, kv_cache
         self.flash_attention, self.extra_buffers, self.adaptive_threads = flash_attention, extra_buffers, adaptive_threads
         self.logit_noise, self.version, self.path = float(logit_noise), version, Path(gguf_path)
-        self._model = self._ctx = self._batch = None
+        self._model = self._sampler = self._greedy = None
         self._decode_counts = DecodeCounts()
         self._load(self.path)
 
@@ -145,37 +128,31 @@ class LlamaCppEngine:
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise EngineError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
-        cparams = lib.llama_context_default_params()
-        self.n_batch = max(512, self.max_parallel)
-        cparams.n_ctx = self.max_context * self.max_parallel
-        cparams.n_batch = cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = self.max_parallel
-        cparams.n_threads = cparams.n_threads_batch = self.threads
-        cparams.kv_unified = self.unified_kv
-        cparams.type_k = cparams.type_v = KV_CACHE_TYPES[self.kv_cache]
-        # llama.cpp's CPU flash attention rounds Q to f16 (about 7e-3 nats of extra mismatch at f32): a choice
-        cparams.flash_attn_type = 1 if self.flash_attention else 0
-        ctx = lib.llama_init_from_model(model, cparams)
-        if not ctx:
-            lib.llama_model_free(model)
-            raise EngineError(f"llama.cpp could not create a context for {path}")
-        self._model, self._ctx = model, ctx
-        self.threads_used = self.threads  # a new context starts at the configured count
+        self._model = model
         self._vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self._vocab)
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        self._cached: dict[int, Cached] = {}  # KV sequence id -> the ids its cache holds (a fresh context: none)
+        try:
+            self._sampler = self._context(self.max_parallel, self.max_context, self.unified_kv)
+        except EngineError:
+            lib.llama_model_free(model)
+            self._model = None
+            raise EngineError(f"llama.cpp could not create a context for {path}") from None
+        self._greedy: KVContext | None = None  # one stream per sequence, made on the first greedy call
+        self.threads_used = self.threads  # a new context starts at the configured count
         self.path = path
 
+    def _context(self, n_seq: int, cells_per_seq: int, unified: bool) -> KVContext:
+        return KVContext(_llama(), self._model, self.n_vocab, n_seq=n_seq, cells_per_seq=cells_per_seq,
+                         unified=unified, threads=self.threads,
+                         kv_type=KV_CACHE_TYPES[self.kv_cache], flash_attention=self.flash_attention)
+
     def close(self) -> None:
-        lib = _llama()
-        if self._batch is not None:
-            lib.llama_batch_free(self._batch)
-        if self._ctx:
-            lib.llama_free(self._ctx)
+        for ctx in (self._sampler, self._greedy):
+            if ctx is not None:
+                ctx.close()
         if self._model:
-            lib.llama_model_free(self._model)
-        self._model = self._ctx = self._batch = None
+            _llama().llama_model_free(self._model)
+        self._model = self._sampler = self._greedy = None
 
     def update_weights(self, source: Path | dict, version: int) -> None:
         """Reload from a GGUF file written by gguf_export; drops every cache of the previous weights."""
@@ -187,41 +164,14 @@ class LlamaCppEngine:
 
     # -- low-level decode ------------------------------------------------------------------------
     def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> np.ndarray:
-        """Decode (token, pos, seq_id, want_logits) entries in chunks of n_batch; returns the logits rows
-        [n_wanted, V] float32 in entry order."""
-        lib = _llama()
-        rows = []
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
-            b = self._batch
-            for i, (tok, pos, seq, want) in enumerate(chunk):
-                if not 0 <= tok < self.n_vocab:
-                    raise EngineError(f"token id {tok} outside the engine vocabulary [0, {self.n_vocab})")
-                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(want)
-                b.seq_id[i][0] = seq
-            b.n_tokens = len(chunk)
-            rc = lib.llama_decode(self._ctx, b)
-            if rc != 0:
-                raise EngineError(f"llama_decode failed with code {rc} (context of {self.max_context} tokens per sequence exceeded?)")
-            n_out = sum(1 for *_, want in chunk if want)
-            if n_out:
-                ptr = lib.llama_get_logits(self._ctx)
-                rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy())
-        return np.concatenate(rows) if rows else np.empty((0, self.n_vocab), np.float32)
+        """The sampling context's decode (llama_context.KVContext.decode): logits rows [n_wanted, V] float32."""
+        return self._sampler.decode(tokens)
 
-    def _fit_threads(self) -> None:
+    def _fit_threads(self, ctx: KVContext) -> None:
         """Run the next call on at most the idle cores (engines/cpu_load.py), never above `threads`."""
-        if not self.adaptive_threads:
-            return
-        n = fit_threads(self.threads, free_cores())
-        if n != self.threads_used:
-            _llama().llama_set_n_threads(self._ctx, n, n)
-            self.threads_used = n
-
-    def _reset(self) -> None:
-        lib = _llama()
-        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
-        self._cached = {}
+        if self.adaptive_threads:
+            ctx.set_threads(fit_threads(self.threads, free_cores()))
+        self.threads_used = ctx.threads
 
     def _check_prompt(self, prompt: tuple[int, ...] | list[int], new_tokens: int) -> None:
         if len(prompt) + new_tokens > self.max_context:
@@ -230,40 +180,16 @@ class LlamaCppEngine:
                 f"{self.max_context} tokens per sequence (model.max_context)"
             )
 
-    def _prefill(self, seqs: list[_Seq]) -> np.ndarray:
-        """Give each sequence a KV slot (a cached one it continues, kv_reuse), evaluate each group's prompt (or its
-        new tail) once, share it with the group; returns the last prompt token's logits row per sequence [n, V]."""
-        lib = _llama()
-        mem = lib.llama_get_memory(self._ctx)
-        leaders = {}
-        for s in seqs:
-            leaders.setdefault(id(s.request), s)
-        plan = plan_slots(self._cached if self.kv_reuse else {}, [s.request.prompt_ids for s in seqs],
-                          [leaders[id(s.request)] is s for s in seqs], self.max_parallel)
-        for s, slot, reused in zip(seqs, plan.slots, plan.reused):
-            s.seq_id, s.reused = slot, reused
-        keep = dict(zip(plan.slots, plan.reused))  # a continued sequence keeps its prompt's part; others are cleared
-        for slot in range(self.max_parallel) if any(plan.reused) else ():
-            lib.llama_memory_seq_rm(mem, slot, keep.get(slot, 0), -1)
-        if not any(plan.reused):
-            self._reset()
-        self._cached = {}
-        entries = []
-        for lead in leaders.values():
-            p = lead.request.prompt_ids
-            entries += [(t, i, lead.seq_id, i == len(p) - 1) for i, t in enumerate(p) if i >= lead.reused]
-        rows = self._decode(entries)  # one logits row per leader, in leader order
-        row_of = {key: k for k, key in enumerate(leaders)}
-        for s in seqs:
-            lead = leaders[id(s.request)]
-            if s is not lead:
-                lib.llama_memory_seq_cp(mem, lead.seq_id, s.seq_id, -1, -1)
-        return rows[[row_of[id(s.request)] for s in seqs]]
-
-    def _keep(self, seqs: list[_Seq]) -> None:
-        """Record the ids each finished wave's KV sequences hold: the prompt and every sampled id but the last."""
-        self._cached = {s.seq_id: Cached(tuple(s.request.prompt_ids) + tuple(s.ids[:-1]), len(s.request.prompt_ids))
-                        for s in seqs}
+    def _greedy_context(self, cells_per_seq: int) -> KVContext:
+        """The greedy context (one KV stream per sequence), made again, larger, when a call needs more cells per
+        sequence than it has: a power of two from 256 up, at most max_context (the eval needs far fewer)."""
+        if self._greedy is None or self._greedy.cells_per_seq < cells_per_seq:
+            size = min(self.max_context, max(256, 1 << (cells_per_seq - 1).bit_length()))
+            if self._greedy is not None:
+                self._greedy.close()
+                self._greedy = None
+            self._greedy = self._context(self.max_parallel, size, unified=False)
+        return self._greedy
 
     # -- public API ------------------------------------------------------------------------------
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int,
@@ -272,16 +198,16 @@ class LlamaCppEngine:
         `interrupt` is polled before every decode step; once it returns True, every unfinished sequence (and
         every wave not started) comes back as it is, with finish_reason "interrupted"."""
         rng = np.random.default_rng(seed)
-        self._fit_threads()
+        self._fit_threads(self._sampler)
         out: list[Rollout] = []
         for wave in self._waves(requests):
-            seqs = [_Seq(r, k, 0) for r in wave for k in range(r.n)]
+            seqs = [Seq(r, k, 0) for r in wave for k in range(r.n)]
             for s in seqs:
                 self._check_prompt(s.request.prompt_ids, s.request.token_limit(sampling.max_new_tokens))
             prefilled = not (interrupt and interrupt())
             active = seqs if prefilled else []
             if prefilled:
-                logits = self._prefill(seqs)
+                logits = self._sampler.prefill(seqs, self.kv_reuse)
             while active:
                 ids, lps = sample_rows(logits, sampling, rng, self.logit_noise)
                 for s, tok, lp in zip(active, ids.tolist(), lps.tolist()):
@@ -300,7 +226,7 @@ class LlamaCppEngine:
             for s in seqs:
                 s.finish = s.finish or "interrupted"
             if prefilled:  # the wave's caches stay for a continuation
-                self._keep(seqs)
+                self._sampler.keep(seqs)
             out += [self._to_rollout(s) for s in seqs]
         return out
 
@@ -310,27 +236,13 @@ class LlamaCppEngine:
         return counts
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Argmax completions (stop token included when emitted), for evaluation."""
-        requests = [GenerationRequest(i, tuple(p), 1) for i, p in enumerate(prompts)]
-        self._fit_threads()
-        results: list[list[int]] = []
-        for wave in self._waves(requests):
-            seqs = [_Seq(r, 0, 0) for r in wave]
-            for s in seqs:
-                self._check_prompt(s.request.prompt_ids, max_new_tokens)
-            logits = self._prefill(seqs)
-            active = seqs
-            while active:
-                for s, tok in zip(active, np.argmax(logits, axis=1).tolist()):
-                    s.ids.append(tok)
-                    if _lib_is_eog(self._vocab, tok) or len(s.ids) >= max_new_tokens:
-                        s.finish = "done"
-                active = [s for s in active if s.finish is None]
-                if active:
-                    logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
-            self._keep(seqs)
-            results += [s.ids for s in seqs]
-        return results
+        """Argmax completions (stop token included when emitted), for evaluation: in the greedy context, one KV
+        stream per sequence, with continuous batching (llama_context.greedy_continuous)."""
+        for p in prompts:
+            self._check_prompt(p, max_new_tokens)
+        ctx = self._greedy_context(max((len(p) for p in prompts), default=0) + max_new_tokens)
+        self._fit_threads(ctx)
+        return greedy_continuous(ctx, [tuple(p) for p in prompts], max_new_tokens, self.is_stop_token, self.kv_reuse)
 
     def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingParams) -> list[float]:
         """Teacher-forced engine log-probs [T] of `completion_ids` under the sampling transform (nats)."""
@@ -338,7 +250,7 @@ class LlamaCppEngine:
             return []
         ids = list(prompt_ids) + list(completion_ids)
         self._check_prompt(prompt_ids, len(completion_ids))
-        self._reset()
+        self._sampler.reset()
         n_prompt = len(prompt_ids)
         rows = self._decode([(t, i, 0, i >= n_prompt - 1 and i < len(ids) - 1) for i, t in enumerate(ids)])
         return [float(transformed_log_softmax(row, sampling)[tok]) for row, tok in zip(rows, completion_ids)]
@@ -364,7 +276,7 @@ class LlamaCppEngine:
         if wave:
             yield wave
 
-    def _to_rollout(self, s: _Seq) -> Rollout:
+    def _to_rollout(self, s: Seq) -> Rollout:
         return Rollout(
             group_id=s.request.group_id, sample_index=s.sample_index, prompt_ids=list(s.request.prompt_ids),
             completion_ids=s.ids, rollout_logprobs=list(s.logprobs), versions=[self.version] * len(s.ids),

@@ -1,0 +1,179 @@
+"""One llama.cpp context of the llama.cpp engine: its KV cache, the batch it decodes with, and the ids each KV
+sequence holds (for continuation, engines/kv_reuse.py).
+
+The engine keeps two contexts on one loaded model. Sampling runs in one KV cache unified over all sequences, so a
+group's prompt is evaluated once and shared with its G samples (llama_memory_seq_cp adds the samples' ids to the
+prompt's cells). The greedy eval runs in one KV stream per sequence (llama.cpp's kv_unified = false): in a unified
+cache every decode step attends over every live cell, masked, so its attention work grows with the number of
+sequences times their length; a stream attends over its own cells only. A greedy call shares no prompt between
+sequences, so it needs no copy between streams (docs/results.md sec. 2: 128 eval prompts 2x faster)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.kv_reuse import Cached, plan_slots
+from nearpolicy.types import GenerationRequest
+
+
+@dataclass
+class Seq:
+    """One sequence being decoded: its slot in the KV cache and what it produced so far."""
+
+    request: GenerationRequest
+    sample_index: int
+    seq_id: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    reused: int = 0  # prompt tokens whose KV cache this sequence continued (engines/kv_reuse.py)
+
+    @property
+    def next_pos(self) -> int:
+        return len(self.request.prompt_ids) + len(self.ids) - 1
+
+
+class KVContext:
+    """A llama.cpp context of `n_seq` sequences x `cells_per_seq` KV cells each, one cache unified over them or
+    one stream per sequence (`unified`). `kv_type` is a ggml_type id (llamacpp.KV_CACHE_TYPES). Raises EngineError
+    when llama.cpp cannot create it."""
+
+    def __init__(self, lib, model, n_vocab: int, *, n_seq: int, cells_per_seq: int, unified: bool, threads: int,
+                 kv_type: int, flash_attention: bool):
+        self.lib, self.n_vocab, self.n_seq, self.cells_per_seq = lib, n_vocab, n_seq, cells_per_seq
+        cparams = lib.llama_context_default_params()
+        self.n_batch = max(512, n_seq)
+        cparams.n_ctx = cells_per_seq * n_seq
+        cparams.n_batch = cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = n_seq
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = unified
+        cparams.type_k = cparams.type_v = kv_type
+        # llama.cpp's CPU flash attention rounds Q to f16 (about 7e-3 nats of extra mismatch at f32): a choice
+        cparams.flash_attn_type = 1 if flash_attention else 0
+        self.ctx = lib.llama_init_from_model(model, cparams)
+        if not self.ctx:
+            raise EngineError(f"llama.cpp could not create a context of {n_seq} x {cells_per_seq} KV cells")
+        self.threads = threads
+        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self.cached: dict[int, Cached] = {}  # KV sequence id -> the ids its cache holds (a fresh context: none)
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.lib.llama_batch_free(self.batch)
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+        self.ctx = self.batch = None
+
+    def set_threads(self, n: int) -> None:
+        if n != self.threads:
+            self.lib.llama_set_n_threads(self.ctx, n, n)
+            self.threads = n
+
+    def decode(self, tokens: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """Decode (token, pos, seq_id, want_logits) entries in chunks of n_batch; returns the logits rows
+        [n_wanted, V] float32 in entry order. Raises EngineError for an id outside the vocabulary or a failed call."""
+        lib, rows = self.lib, []
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            b = self.batch
+            for i, (tok, pos, seq, want) in enumerate(chunk):
+                if not 0 <= tok < self.n_vocab:
+                    raise EngineError(f"token id {tok} outside the engine vocabulary [0, {self.n_vocab})")
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(want)
+                b.seq_id[i][0] = seq
+            b.n_tokens = len(chunk)
+            rc = lib.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed with code {rc} (context of {self.cells_per_seq} tokens per "
+                                  "sequence exceeded?)")
+            n_out = sum(1 for *_, want in chunk if want)
+            if n_out:
+                ptr = lib.llama_get_logits(self.ctx)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)).copy())
+        return np.concatenate(rows) if rows else np.empty((0, self.n_vocab), np.float32)
+
+    def reset(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        self.cached = {}
+
+    def clear_slot(self, slot: int) -> None:
+        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), slot, -1, -1)
+        self.cached.pop(slot, None)
+
+    def prefill(self, seqs: list[Seq], kv_reuse: bool) -> np.ndarray:
+        """Give each sequence a KV slot (a cached one it continues, when `kv_reuse`), evaluate each group's prompt (or
+        its new tail) once, share it with the group; returns the last prompt token's logits row per sequence [n, V]."""
+        lib = self.lib
+        mem = lib.llama_get_memory(self.ctx)
+        leaders: dict[int, Seq] = {}
+        for s in seqs:
+            leaders.setdefault(id(s.request), s)
+        plan = plan_slots(self.cached if kv_reuse else {}, [s.request.prompt_ids for s in seqs],
+                          [leaders[id(s.request)] is s for s in seqs], self.n_seq)
+        for s, slot, reused in zip(seqs, plan.slots, plan.reused):
+            s.seq_id, s.reused = slot, reused
+        keep = dict(zip(plan.slots, plan.reused))  # a continued sequence keeps its prompt's part; others are cleared
+        for slot in range(self.n_seq) if any(plan.reused) else ():
+            lib.llama_memory_seq_rm(mem, slot, keep.get(slot, 0), -1)
+        if not any(plan.reused):
+            self.reset()
+        self.cached = {}
+        entries = []
+        for lead in leaders.values():
+            p = lead.request.prompt_ids
+            entries += [(t, i, lead.seq_id, i == len(p) - 1) for i, t in enumerate(p) if i >= lead.reused]
+        rows = self.decode(entries)  # one logits row per leader, in leader order
+        row_of = {key: k for k, key in enumerate(leaders)}
+        for s in seqs:
+            lead = leaders[id(s.request)]
+            if s is not lead:
+                lib.llama_memory_seq_cp(mem, lead.seq_id, s.seq_id, -1, -1)
+        return rows[[row_of[id(s.request)] for s in seqs]]
+
+    def keep(self, seqs: list[Seq]) -> None:
+        """Record the ids each finished sequence's KV slot holds: the prompt and every sampled id but the last."""
+        self.cached.update({s.seq_id: Cached(tuple(s.request.prompt_ids) + tuple(s.ids[:-1]),
+                                             len(s.request.prompt_ids)) for s in seqs})
+
+
+def greedy_continuous(ctx: KVContext, prompts: list[tuple[int, ...]], max_new_tokens: int,
+                      is_stop: Callable[[int], bool], kv_reuse: bool) -> list[list[int]]:
+    """Argmax completions [len(prompts)] of at most `max_new_tokens` ids each (the stop id included when emitted),
+    decoded ctx.n_seq at a time with continuous batching: a finished sequence's slot is cleared and refilled with the
+    next prompt, whose prefill joins the next decode call, so the batch stays full until the queue drains. The first
+    ctx.n_seq prompts may continue cached sequences (`kv_reuse`); later ones are prefilled from scratch."""
+    seqs = [Seq(GenerationRequest(i, tuple(p), 1), 0, 0) for i, p in enumerate(prompts)]
+    if not seqs:
+        return []
+    queue = deque(seqs[ctx.n_seq :])
+    active = seqs[: ctx.n_seq]
+    logits = ctx.prefill(active, kv_reuse)
+    while active:
+        for s, tok in zip(active, np.argmax(logits, axis=1).tolist()):
+            s.ids.append(tok)
+            if is_stop(tok) or len(s.ids) >= max_new_tokens:
+                s.finish = "done"
+        done = [s for s in active if s.finish]
+        active = [s for s in active if s.finish is None]
+        admitted = []
+        for slot in (s.seq_id for s in done):
+            if not queue:
+                break
+            ctx.clear_slot(slot)
+            admitted.append(queue.popleft())
+            admitted[-1].seq_id = slot
+        ctx.keep([s for s in done if s.seq_id not in {a.seq_id for a in admitted}])
+        entries = [(s.ids[-1], s.next_pos, s.seq_id, True) for s in active]
+        for s in admitted:  # one logits row each (its last prompt token), after the active rows
+            p = s.request.prompt_ids
+            entries += [(t, i, s.seq_id, i == len(p) - 1) for i, t in enumerate(p)]
+        active += admitted
+        if active:
+            logits = ctx.decode(entries)
+    return [s.ids for s in seqs]
