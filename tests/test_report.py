@@ -261,6 +261,19 @@ def test_summary_report_and_compare_say_what_each_run_is(tmp_path: Path, capsys:
     assert fig.legends[0].get_texts()[0].get_text() == "run-a (llamacpp:q4_1, icepop)"
 
 
+def test_summary_and_report_name_the_learning_rate_schedule(tmp_path: Path, capsys: pytest.CaptureFixture):
+    cosine = {"algorithm": {"lr": 1.5e-5, "lr_schedule": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1}}
+    first = _write_run(tmp_path / "run-a", _fake_rows(), config=cosine)
+    second = _write_run(tmp_path / "run-b", _fake_rows(), config={"algorithm": {"lr": 2e-5}})
+    assert main(["summary", str(first)]) == 0
+    assert "- learning rate: 1.5e-05, cosine to 1.5e-06 after 2 warmup steps\n" in capsys.readouterr().out
+    assert main(["summary", str(second)]) == 0  # a config.json from before the schedule keys: constant
+    assert "- learning rate: 2e-05, constant\n" in capsys.readouterr().out
+    assert main(["report", str(first), "-o", str(tmp_path / "one.html")]) == 0
+    page = (tmp_path / "one.html").read_text()
+    assert "<th>learning rate</th>" in page and "<td>1.5e-05, cosine to 1.5e-06 after 2 warmup steps</td>" in page
+
+
 def test_plots_have_whole_step_ticks_bands_inside_the_reward_range_and_legends_off_the_lines(tmp_path: Path):
     rows = _fake_rows()
     for row in rows[1:]:

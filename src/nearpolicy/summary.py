@@ -27,8 +27,9 @@ def effective_correction(plan: dict) -> str | None:
 
 def describe_run(config: dict, plan: dict) -> dict[str, str]:
     """What the run is, from config.json and plan.json (dicts; empty when absent): the engine and its precision, the
-    model the eval runs, the policy update (advantage, loss, aggregation), the KL term (estimator x coefficient),
-    the effective correction and the proximal policy. A field neither file records is "not recorded"."""
+    model the eval runs, the policy update (advantage, loss, aggregation), the learning rate and its schedule, the
+    KL term (estimator x coefficient), the effective correction and the proximal policy. A field neither file
+    records is "not recorded"."""
     section = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}  # noqa: E731
     a, c = section("algorithm"), section("correction")
     absent = "not recorded"
@@ -37,8 +38,21 @@ def describe_run(config: dict, plan: dict) -> dict[str, str]:
     if a.get("kl_coef") == 0:
         kl += " (off)"
     return {"engine": str(plan.get("engine") or absent), "eval policy": str(plan.get("eval_policy") or absent),
-            "update": update, "KL": kl,
+            "update": update, "learning rate": _learning_rate(a), "KL": kl,
             "correction": str(effective_correction(plan) or absent), "proximal": str(c.get("proximal") or absent)}
+
+
+def _learning_rate(algorithm: dict) -> str:
+    """algorithm.lr and its schedule, e.g. "1.5e-05, cosine to 0 after 2 warmup steps" ("not recorded" without lr;
+    a config.json written before the schedule keys existed ran at a constant rate)."""
+    if "lr" not in algorithm:
+        return "not recorded"
+    schedule = algorithm.get("lr_schedule", "constant")
+    text = f"{algorithm['lr']:g}, {schedule}"
+    if schedule != "constant":
+        text += f" to {algorithm['lr'] * algorithm.get('min_lr_ratio', 0.0):g}"
+    warmup = algorithm.get("warmup_steps", 0)
+    return text + (f" after {warmup} warmup steps" if warmup else "")
 
 
 def _model_and_task(config: dict) -> dict[str, str]:
