@@ -56,7 +56,7 @@ def test_main_job_config_is_the_embedded_defaults_plus_its_lr_recipe():
     main = load_config(Path(__file__).parent.parent / "configs" / "main.toml")
     defaults = load_config(None)
     assert main.task.resolved_options() == defaults.task.resolved_options()
-    recipe = {"lr": 1.5e-5, "lr_schedule": "cosine", "warmup_steps": 2}
+    recipe = {"lr": 1e-5, "lr_schedule": "cosine", "warmup_steps": 2}
     assert {key: getattr(main.algorithm, key) for key in recipe} == recipe
     assert (defaults.algorithm.lr, defaults.algorithm.lr_schedule, defaults.algorithm.warmup_steps) == (2e-5, "constant", 0)
     same = {"correction": defaults.correction, "task": main.task.model_copy(update={"options": None}),
