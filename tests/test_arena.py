@@ -268,7 +268,7 @@ def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
     assert main(["arena", str(tmp_path / "missing.toml")]) == 2
 
 
-@pytest.mark.parametrize("name,cells", [("arena", 24), ("arena-staleness", 18), ("arena-mc-grpo", 12),
+@pytest.mark.parametrize("name,cells", [("arena", 24), ("arena-staleness", 18), ("arena-mc-grpo", 18),
                                         ("arena-aligned", 9)])
 def test_the_shipped_arenas_load_with_at_least_three_seeds(name, cells):
     spec = load_arena(Path(__file__).resolve().parent.parent / "configs" / f"{name}.toml")
@@ -276,6 +276,13 @@ def test_the_shipped_arenas_load_with_at_least_three_seeds(name, cells):
     cfg = spec.cells[0].config
     assert (cfg.run.steps, cfg.algorithm.prompts_per_step, cfg.sampling.max_new_tokens, cfg.task.eval_size) == (
         12, 4, 32, 64)
+
+
+def test_the_mc_grpo_arena_samples_g_plus_one_in_the_papers_arm():
+    spec = load_arena(Path(__file__).resolve().parent.parent / "configs" / "arena-mc-grpo.toml")
+    sizes = {c.id.rsplit("/", 1)[0]: (c.config.algorithm.advantage, c.config.algorithm.group_size) for c in spec.cells}
+    assert sizes == {"grpo/G2": ("grpo", 2), "grpo/G8": ("grpo", 8), "mc_grpo/G2": ("mc_grpo", 2),
+                     "mc_grpo/G8": ("mc_grpo", 8), "mc_grpo_g1/G2": ("mc_grpo", 3), "mc_grpo_g1/G8": ("mc_grpo", 9)}
 
 
 def test_the_alignment_arena_aligns_its_arms_to_the_engine_it_samples_with():
