@@ -139,7 +139,9 @@ class AlgorithmConfig(TurnCreditFields):
     """The policy update: advantage estimator, loss, batch shape, optimizer, trust region, KL penalty, turn credit."""
 
     advantage: registered(ADVANTAGES) = "grpo"
-    """Advantage estimator (`nearpolicy list`): grpo, dr_grpo, rloo, reinforce, mc_grpo, ..."""
+    """Advantage estimator (`nearpolicy list`): grpo, dr_grpo, rloo, reinforce, mc_grpo, ... The mc_grpo family is
+    defined on G + 1 samples (an odd group_size: the one median sample is left out, G contribute); with an even
+    group the lower median is the baseline (docs/math.md sec. 6)."""
     loss: registered(POLICY_LOSSES) = "ppo_clip"
     """Policy loss (`nearpolicy list`): ppo_clip, gspo, cispo, reinforce, importance_sampling, pnpo, ..."""
     aggregation: Literal[AGGREGATIONS] = "token-mean"
