@@ -212,6 +212,20 @@ def test_hf_engine_logprobs_match_the_trainer(tiny_policy, dtype, bound):
     assert np.allclose(scored, rollouts[0].rollout_logprobs, rtol=0, atol=0.1 if dtype == "bf16" else 5e-5)
 
 
+def test_greedy_of_zero_tokens_is_empty_and_a_closed_engine_says_so(tiny_gguf_factory):
+    from nearpolicy.engines.base import EngineError
+
+    engine = LlamaCppEngine(tiny_gguf_factory("f32"), max_context=64, max_parallel_sequences=2, threads=1)
+    assert engine.greedy([list(PROMPTS[0]), list(PROMPTS[1])], 0) == [[], []]
+    assert [len(ids) for ids in engine.greedy([list(PROMPTS[0])], 1)] == [1]
+    engine.close()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=2)
+    for call in (lambda: engine.greedy([list(PROMPTS[0])], 2), lambda: engine.score(list(PROMPTS[0]), [5], sampling),
+                 lambda: engine.generate([GenerationRequest(0, tuple(PROMPTS[0]), 1)], sampling, seed=0)):
+        with pytest.raises(EngineError, match="is closed"):
+            call()
+
+
 def test_greedy_refills_finished_slots_and_every_id_is_the_trainers_argmax(tiny_gguf_factory, tiny_policy):
     """Continuous batching (engines/llama_context.greedy_continuous): 7 prompts through 3 KV streams, sequences
     ending at different steps (a stop rule on the ids), so finished slots are refilled while others decode. Every

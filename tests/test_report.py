@@ -274,6 +274,21 @@ def test_summary_and_report_name_the_learning_rate_schedule(tmp_path: Path, caps
     assert "<th>learning rate</th>" in page and "<td>1.5e-05, cosine to 1.5e-06 after 2 warmup steps</td>" in page
 
 
+@pytest.mark.parametrize("algorithm,line", [
+    ({"lr": "1e-5", "lr_schedule": "cosine"}, "1e-5, cosine"),  # hand-edited: printed as written, no floor
+    ({"lr": None}, "not recorded"),
+    ({"lr": [1]}, "[1], constant"),
+    ({"lr": 1e-5, "lr_schedule": "cosine", "min_lr_ratio": "0.1"}, "1e-05, cosine"),
+    ({"lr": 1e-5, "lr_schedule": None}, "1e-05, constant"),
+    ({"lr": 1e-5, "kl_estimator": "k3", "kl_coef": "0.1"}, "1e-05, constant"),
+])
+def test_summary_and_report_survive_a_hand_edited_config(tmp_path: Path, capsys: pytest.CaptureFixture, algorithm, line):
+    run = _write_run(tmp_path / "run", _fake_rows(), config={"algorithm": algorithm})
+    assert main(["summary", str(run)]) == 0
+    assert f"- learning rate: {line}\n" in capsys.readouterr().out
+    assert main(["report", str(run), "-o", str(tmp_path / "one.html")]) == 0
+
+
 def test_plots_have_whole_step_ticks_bands_inside_the_reward_range_and_legends_off_the_lines(tmp_path: Path):
     rows = _fake_rows()
     for row in rows[1:]:

@@ -34,7 +34,7 @@ def describe_run(config: dict, plan: dict) -> dict[str, str]:
     a, c = section("algorithm"), section("correction")
     absent = "not recorded"
     update = " / ".join(str(a[k]) for k in ("advantage", "loss", "aggregation") if k in a) or absent
-    kl = f"{a['kl_estimator']} x {a.get('kl_coef', 0):g}" if "kl_estimator" in a else absent
+    kl = f"{a['kl_estimator']} x {_number(a.get('kl_coef', 0))}" if "kl_estimator" in a else absent
     if a.get("kl_coef") == 0:
         kl += " (off)"
     return {"engine": str(plan.get("engine") or absent), "eval policy": str(plan.get("eval_policy") or absent),
@@ -42,15 +42,26 @@ def describe_run(config: dict, plan: dict) -> dict[str, str]:
             "correction": str(effective_correction(plan) or absent), "proximal": str(c.get("proximal") or absent)}
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(value) -> str:
+    """A config value as the summary prints it: %g for a number, else as written (a hand-edited config.json)."""
+    return f"{value:g}" if _is_number(value) else str(value)
+
+
 def _learning_rate(algorithm: dict) -> str:
-    """algorithm.lr and its schedule, e.g. "1.5e-05, cosine to 0 after 2 warmup steps" ("not recorded" without lr;
-    a config.json written before the schedule keys existed ran at a constant rate)."""
-    if "lr" not in algorithm:
+    """algorithm.lr and its schedule, e.g. "1e-05, cosine to 0 after 2 warmup steps" ("not recorded" without lr;
+    a config.json written before the schedule keys existed ran at a constant rate; a value that is not a number is
+    printed as written, and the floor is left out unless lr and min_lr_ratio are both numbers)."""
+    if algorithm.get("lr") is None:
         return "not recorded"
-    schedule = algorithm.get("lr_schedule", "constant")
-    text = f"{algorithm['lr']:g}, {schedule}"
-    if schedule != "constant":
-        text += f" to {algorithm['lr'] * algorithm.get('min_lr_ratio', 0.0):g}"
+    lr, schedule = algorithm["lr"], algorithm.get("lr_schedule") or "constant"
+    text = f"{_number(lr)}, {schedule}"
+    floor = algorithm.get("min_lr_ratio", 0.0)
+    if schedule != "constant" and _is_number(lr) and _is_number(floor):
+        text += f" to {lr * floor:g}"
     warmup = algorithm.get("warmup_steps", 0)
     return text + (f" after {warmup} warmup steps" if warmup else "")
 

@@ -147,10 +147,13 @@ def greedy_continuous(ctx: KVContext, prompts: list[tuple[int, ...]], max_new_to
     """Argmax completions [len(prompts)] of at most `max_new_tokens` ids each (the stop id included when emitted),
     decoded ctx.n_seq at a time with continuous batching: a finished sequence's slot is cleared and refilled with the
     next prompt, whose prefill joins the next decode call, so the batch stays full until the queue drains. The first
-    ctx.n_seq prompts may continue cached sequences (`kv_reuse`); later ones are prefilled from scratch."""
+    ctx.n_seq prompts may continue cached sequences (`kv_reuse`); later ones are prefilled from scratch.
+    With kv_cache = "f16" llama.cpp's logits depend slightly on how a prompt is split across decode calls (up to
+    about 0.6 in a logit, measured on SmolLM2), so a near-tie may resolve differently with other prompts in flight;
+    at f32 KV the result does not depend on the batch."""
     seqs = [Seq(GenerationRequest(i, tuple(p), 1), 0, 0) for i, p in enumerate(prompts)]
-    if not seqs:
-        return []
+    if not seqs or max_new_tokens <= 0:
+        return [[] for _ in seqs]
     queue = deque(seqs[ctx.n_seq :])
     active = seqs[: ctx.n_seq]
     logits = ctx.prefill(active, kv_reuse)

@@ -173,6 +173,10 @@ class LlamaCppEngine:
             ctx.set_threads(fit_threads(self.threads, free_cores()))
         self.threads_used = ctx.threads
 
+    def _require_open(self) -> None:
+        if self._model is None:
+            raise EngineError(f"the llama.cpp engine for {self.path} is closed")
+
     def _check_prompt(self, prompt: tuple[int, ...] | list[int], new_tokens: int) -> None:
         if len(prompt) + new_tokens > self.max_context:
             raise EngineError(
@@ -197,6 +201,7 @@ class LlamaCppEngine:
         """Sample `n` completions per request. Rollouts come back ordered by (request, sample index).
         `interrupt` is polled before every decode step; once it returns True, every unfinished sequence (and
         every wave not started) comes back as it is, with finish_reason "interrupted"."""
+        self._require_open()
         rng = np.random.default_rng(seed)
         self._fit_threads(self._sampler)
         out: list[Rollout] = []
@@ -238,6 +243,7 @@ class LlamaCppEngine:
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Argmax completions (stop token included when emitted), for evaluation: in the greedy context, one KV
         stream per sequence, with continuous batching (llama_context.greedy_continuous)."""
+        self._require_open()
         for p in prompts:
             self._check_prompt(p, max_new_tokens)
         ctx = self._greedy_context(max((len(p) for p in prompts), default=0) + max_new_tokens)
@@ -246,6 +252,7 @@ class LlamaCppEngine:
 
     def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingParams) -> list[float]:
         """Teacher-forced engine log-probs [T] of `completion_ids` under the sampling transform (nats)."""
+        self._require_open()
         if not completion_ids:
             return []
         ids = list(prompt_ids) + list(completion_ids)
