@@ -68,15 +68,25 @@ vllm-env: $(VSTAMP)
 # the vLLM environment is built first whenever ARGS mention vllm (e.g. --set engine.kind=vllm)
 NEEDS_VLLM := $(if $(findstring vllm,$(ARGS)),$(VSTAMP))
 
+# a graceful stop (SIGINT / SIGTERM: the run checkpoints and prints how to continue; exit 130 / 143) is not a make error
 train: $(STAMP) $(NEEDS_VLLM)
-	$(VENV)/bin/nearpolicy train configs/main.toml $(ARGS)
+	$(VENV)/bin/nearpolicy train configs/main.toml $(ARGS) || { rc=$$?; [ $$rc -eq 130 ] || [ $$rc -eq 143 ] || exit $$rc; }
 
 # two pytest-xdist workers (the machines have 2 cores; most tests wait on a child process part of the time);
 # TEST_WORKERS=0 runs the suite in this one process
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-test: $(STAMP) $(VSTAMP)
+# Debian's chromium drives the report test (tests/test_report.py); installed once per machine when absent (apt-get,
+# as root or through sudo), never a browser download
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+$(CHROMIUM):
+	@echo "installing Debian's chromium for the report test (once per machine)"
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+
+test: $(STAMP) $(VSTAMP) $(CHROMIUM)
 	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 # the inner loop (under 3 minutes on 2 cores): everything but the `slow` tests (real-CLI runs, real-engine smokes,

@@ -200,7 +200,7 @@ def test_unwritable_output_exits_2(fake_run: Path, capsys: pytest.CaptureFixture
 
 def test_report_opens_in_headless_chromium_with_every_image_loaded(main_job_run: Path):
     if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); .ci/run does")
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); make test does")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -272,6 +272,17 @@ def test_summary_and_report_name_the_learning_rate_schedule(tmp_path: Path, caps
     assert main(["report", str(first), "-o", str(tmp_path / "one.html")]) == 0
     page = (tmp_path / "one.html").read_text()
     assert "<th>learning rate</th>" in page and "<td>1.5e-05, cosine to 1.5e-06 after 2 warmup steps</td>" in page
+
+
+def test_summary_says_a_stopped_run_did_fewer_steps_than_planned(tmp_path: Path, capsys: pytest.CaptureFixture):
+    rows = _fake_rows()
+    trained = sum("reward/mean" in row for row in rows)
+    stopped = _write_run(tmp_path / "stopped", rows, config={"run": {"steps": trained + 25}})
+    finished = _write_run(tmp_path / "finished", rows, config={"run": {"steps": trained}})
+    assert main(["summary", str(stopped)]) == 0
+    assert f"`stopped`: {trained} of {trained + 25} training steps" in capsys.readouterr().out
+    assert main(["summary", str(finished)]) == 0
+    assert f"`finished`: {trained} training steps" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("algorithm,line", [
