@@ -465,3 +465,11 @@ def test_resume_command_names_the_program_the_user_can_type(monkeypatch, tmp_pat
     monkeypatch.setattr(signals.shutil, "which", lambda name: None)
     monkeypatch.setattr(signals.sys, "executable", "/opt/py/bin/python3")
     assert signals.resume_command("runs/a") == "/opt/py/bin/python3 -m nearpolicy train --resume runs/a"
+
+
+def test_a_run_warns_when_the_machine_is_busy_at_start():
+    from nearpolicy.training_run import load_warning
+
+    said = load_warning(5.0, 2)
+    assert said.startswith("warning: 5.0 runnable processes (1-min load average) on 2 cores; the machine is busy")
+    assert load_warning(0.9, 2) is None and load_warning(1.1, 2) is not None  # doctor's rule: above half the cores

@@ -23,6 +23,9 @@ def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
     from nearpolicy.trainer import open_trainer
 
     interrupted = (130, "interrupted during startup; nothing was trained")
+    busy = load_warning()
+    if busy:
+        log(busy)
     with StartupInterrupt() as startup:
         try:
             trainer = open_trainer(cfg, resume=resume, log=log)
@@ -38,6 +41,17 @@ def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
         trainer.close()
         return None, interrupted
     return trainer, None
+
+
+def load_warning(load_1min: float | None = None, cores: int | None = None) -> str | None:
+    """A warning line when other work competes for the cores (doctor.machine_load's rule: 1-min load above half the
+    cores), else None: steps then take far longer than the README's timings (docs/results.md sec. 10)."""
+    import os
+
+    from nearpolicy.doctor import machine_load
+
+    check = machine_load(os.getloadavg()[0] if load_1min is None else load_1min, cores or os.cpu_count() or 1)
+    return None if check.ok else f"warning: {check.value}; each step will take far longer than on an idle machine"
 
 
 def dry_run(cfg: Config, resume: bool) -> tuple[int, str, str]:
