@@ -114,12 +114,13 @@ def derive(res: dict) -> dict:
     return out
 
 
-def render_markdown(res: dict, d: dict, command: str, notes: str = "") -> str:
-    """docs/benchmarks.md: machine, settings, tables (median, min-max over runs), targets, command."""
+def render_markdown(res: dict, d: dict, command: str, notes: str = "", raw: str = "docs/benchmarks.json") -> str:
+    """docs/benchmarks.md: machine, settings, tables (median, min-max over runs), targets, command; `raw` names the
+    JSON file written beside it (the --out path's)."""
     m, s = res["machine"], res["settings"]
     lines = ["# Benchmarks", "",
              "Written by `bench/run_all.py`; every figure is the median of the runs with (min-max) beside it; ratios "
-             "come from one harness run. Raw numbers: `docs/benchmarks.json`.", "",
+             f"come from one harness run. Raw numbers: `{raw}`.", "",
              "## Machine", "",
              f"- CPU: {m['cpu']} ({m['cores']} cores visible), {m['memory_gib']:.0f} GiB memory; threads used: {s['threads']}",
              f"- Python {m['python']}; torch {m['torch']}, transformers {m['transformers']}, "

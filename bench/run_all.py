@@ -226,7 +226,7 @@ def main() -> None:
         res = json.loads(args.render.read_text())
         md = args.render.with_suffix(".md")
         md.write_text(render_markdown(res, res["derived"], res.get("command", "make bench"),
-                                      notes(res, res["derived"]) + vllm_section()))
+                                      notes(res, res["derived"]) + vllm_section(), raw=str(args.render)))
         print(f"wrote {md}")
         return
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -243,7 +243,8 @@ def main() -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(render_markdown(res, d, command, notes(res, d) + vllm_section()))
+    args.out.with_suffix(".md").write_text(render_markdown(res, d, command, notes(res, d) + vllm_section(),
+                                                           raw=str(args.out.with_suffix(".json"))))
     print(f"wrote {args.out.with_suffix('.md')} and .json in {res['harness_wall_s']:.0f} s")
     for f in h.failures:
         print("FAILED:", f)

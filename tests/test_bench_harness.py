@@ -92,6 +92,8 @@ def test_derive_and_render():
     assert "Targets missed in this run: " not in md
     assert "| nearpolicy llamacpp:q8_0 | llama_decode | 80% | 20% |" in md
     assert "make bench" in md and "Test CPU" in md
+    assert "Raw numbers: `docs/benchmarks.json`." in md  # the default page's JSON; --out names its own
+    assert "Raw numbers: `docs/bench/x.json`." in harness.render_markdown(res, d, "make bench", raw="docs/bench/x.json")
 
 
 def test_missed_targets_are_named():
