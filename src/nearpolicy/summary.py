@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from nearpolicy.runs import finite_points, read_json_object, read_metrics
+from nearpolicy.runs import finite_points, is_finite_number, read_json_object, read_metrics
 
 MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/chi2", "mismatch/ess", "mismatch/max_abs_logprob_diff",
                  "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2"]
@@ -42,13 +42,9 @@ def describe_run(config: dict, plan: dict) -> dict[str, str]:
             "correction": str(effective_correction(plan) or absent), "proximal": str(c.get("proximal") or absent)}
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _number(value) -> str:
     """A config value as the summary prints it: %g for a number, else as written (a hand-edited config.json)."""
-    return f"{value:g}" if _is_number(value) else str(value)
+    return f"{value:g}" if is_finite_number(value) else str(value)
 
 
 def _learning_rate(algorithm: dict) -> str:
@@ -60,7 +56,7 @@ def _learning_rate(algorithm: dict) -> str:
     lr, schedule = algorithm["lr"], algorithm.get("lr_schedule") or "constant"
     text = f"{_number(lr)}, {schedule}"
     floor = algorithm.get("min_lr_ratio", 0.0)
-    if schedule != "constant" and _is_number(lr) and _is_number(floor):
+    if schedule != "constant" and is_finite_number(lr) and is_finite_number(floor):
         text += f" to {lr * floor:g}"
     warmup = algorithm.get("warmup_steps", 0)
     return text + (f" after {warmup} warmup steps" if warmup else "")
@@ -89,7 +85,7 @@ def summarize(run_dir: Path, warn=None) -> str:
     evals = finite_points(rows, "eval/accuracy")
     config = read_json_object(Path(run_dir) / "config.json")
     description = describe_run(config, read_json_object(Path(run_dir) / "plan.json"))
-    planned = (config.get("run") or {}).get("steps") if isinstance(config.get("run"), dict) else None
+    planned = config["run"].get("steps") if isinstance(config.get("run"), dict) else None
     done = f"{len(steps)} of {planned}" if isinstance(planned, int) and planned > len(steps) else str(len(steps))
     out = [f"### Run `{Path(run_dir).name}`: {done} training steps", ""]
     out += [f"- {name}: {value}" for name, value in (_model_and_task(config) | description).items()]
