@@ -80,7 +80,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 # Debian's chromium drives the report test (tests/test_report.py); installed once per machine when absent (apt-get,
 # as root or through sudo), never a browser download
 CHROMIUM := /usr/bin/chromium
-SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+SUDO = $(if $(filter 0,$(shell id -u)),,sudo)
 $(CHROMIUM):
 	@echo "installing Debian's chromium for the report test (once per machine)"
 	$(SUDO) apt-get update -qq
