@@ -246,3 +246,35 @@ def test_greedy_refills_finished_slots_and_every_id_is_the_trainers_argmax(tiny_
             logits = tiny_policy[0](input_ids=torch.tensor([list(prompt) + ids])).logits[0, len(prompt) - 1 : -1]
         picked = logits.gather(-1, torch.tensor(ids)[:, None])[:, 0]
         assert (logits.max(-1).values - picked).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("spare", [True, False], ids=["swap-through-spare", "no-spare"])
+def test_packed_streams_keep_every_sequence_on_its_own_cache(tiny_gguf_factory, tiny_policy, spare):
+    """Sampling packs the live sequences into the lowest KV streams before each decode step (KVContext.pack): groups
+    with different token limits end at different steps, so later groups' streams move into the holes. Every
+    log-prob must still be the trainer's (f32: within F32_BOUND; a stream moved wrongly attends over another
+    sequence's cache, off by far more), and each kept cache must hold what `cached` says: a second call continuing
+    every sequence reuses its cache (prefill_reused) and still matches the trainer. Without a spare stream a
+    displaced finished cache is overwritten and must not be offered for reuse."""
+    sampling = SamplingParams(1.0, 1.0, 0, 12)
+    engine = _engine(tiny_gguf_factory("f32"), parallel=12)
+    engine._sampling_context(64)
+    if not spare:
+        engine._sampler.spare = None
+    limits = [3, 12, 5, 9]
+    first = engine.generate([GenerationRequest(i, PROMPTS[i % 2], 3, limits[i]) for i in range(4)], sampling, seed=5)
+    assert [len(r.completion_ids) for r in first] == [n for n in limits for _ in range(3)]
+    follow = [GenerationRequest(10 + k, tuple(r.prompt_ids) + tuple(r.completion_ids) + (17,), 1, 4)
+              for k, r in enumerate(first)]
+    second = engine.generate(follow, sampling, seed=6)
+    engine.close()
+    reused = [r.extras.get("prefill_reused", 0) for r in second]
+    expected = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in first]
+    if spare:
+        assert reused == expected  # every kept cache was where `cached` said
+    else:
+        assert 0 < sum(v > 0 for v in reused) < len(reused)
+        assert all(v in (0, e) for v, e in zip(reused, expected))
+    for rollouts in (first, second):
+        logprobs, batch = _trainer_logprobs(tiny_policy[0], rollouts, sampling)
+        assert (logprobs - batch.rollout_logprobs).abs()[batch.mask].max().item() < F32_BOUND

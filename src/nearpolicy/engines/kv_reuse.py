@@ -34,8 +34,9 @@ def plan_slots(cached: dict[int, Cached], prompts: list[tuple[int, ...]], leader
     """Assign KV slots to new sequences (prompts [n] in order; leaders[i]: the first sequence of its request, the
     one that prefills; the others copy it). A leader takes the cached slot with the longest held ids that its prompt
     starts with (at least one sampled id held, slot not taken), reusing all but the prompt's last token at most (its
-    logits must be computed); every other sequence takes the lowest free slot. Raises ValueError for more sequences
-    than n_slots."""
+    logits must be computed); the other leaders, then the other sequences, take the lowest free slots (the prefill's
+    streams consecutive: llama.cpp decodes them in one micro-batch). Raises ValueError for more sequences than
+    n_slots."""
     if len(prompts) > n_slots:
         raise ValueError(f"{len(prompts)} sequences for {n_slots} KV slots")
     slots: list[int | None] = [None] * len(prompts)
@@ -51,4 +52,7 @@ def plan_slots(cached: dict[int, Cached], prompts: list[tuple[int, ...]], leader
                 taken.add(slot)
                 break
     free = iter(s for s in range(n_slots) if s not in taken)
-    return SlotPlan([s if s is not None else next(free) for s in slots], reused)
+    for i in sorted(range(len(prompts)), key=lambda i: not leaders[i]):  # leaders first: one prefill micro-batch
+        if slots[i] is None:
+            slots[i] = next(free)
+    return SlotPlan(slots, reused)  # type: ignore[arg-type]

@@ -1,12 +1,13 @@
 """One llama.cpp context of the llama.cpp engine: its KV cache, the batch it decodes with, and the ids each KV
 sequence holds (for continuation, engines/kv_reuse.py).
 
-The engine keeps two contexts on one loaded model. Sampling runs in one KV cache unified over all sequences, so a
-group's prompt is evaluated once and shared with its G samples (llama_memory_seq_cp adds the samples' ids to the
-prompt's cells). The greedy eval runs in one KV stream per sequence (llama.cpp's kv_unified = false): in a unified
-cache every decode step attends over every live cell, masked, so its attention work grows with the number of
-sequences times their length; a stream attends over its own cells only. A greedy call shares no prompt between
-sequences, so it needs no copy between streams (docs/results.md sec. 2: 128 eval prompts 2x faster)."""
+Both of the engine's contexts keep one KV stream per sequence (llama.cpp's kv_unified = false). In one cache unified
+over all sequences every decode step attends over every live cell, masked, so its attention work grows with the
+number of sequences times their length; a stream attends over its own cells only. Sampling shares a group's prompt,
+evaluated once, by copying the leader's stream into the group's other streams (llama_memory_seq_cp across streams
+copies the whole stream buffer, so contexts are sized to the call: `cells_per_seq` a power of two). llama.cpp decodes a
+batch as one micro-batch per run of consecutive streams, so the live sequences are packed into the lowest streams
+before each decode step (`KVContext.pack`). Measured: docs/results.md sec. 2."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.base import LLAMA_MAX_SEQ, EngineError
 from nearpolicy.engines.kv_reuse import Cached, plan_slots
 from nearpolicy.types import GenerationRequest
 
@@ -40,17 +41,21 @@ class Seq:
 
 class KVContext:
     """A llama.cpp context of `n_seq` sequences x `cells_per_seq` KV cells each, one cache unified over them or
-    one stream per sequence (`unified`). `kv_type` is a ggml_type id (llamacpp.KV_CACHE_TYPES). Raises EngineError
-    when llama.cpp cannot create it."""
+    one stream per sequence (`unified`). With streams and room under llama.cpp's sequence limit it has one more,
+    spare, stream (`spare`: its id) that `pack` swaps through. `kv_type` is a ggml_type id (llamacpp.KV_CACHE_TYPES).
+    Raises EngineError when llama.cpp cannot create it."""
 
     def __init__(self, lib, model, n_vocab: int, *, n_seq: int, cells_per_seq: int, unified: bool, threads: int,
                  kv_type: int, flash_attention: bool):
         self.lib, self.n_vocab, self.n_seq, self.cells_per_seq = lib, n_vocab, n_seq, cells_per_seq
+        self.unified = unified
+        self.spare = n_seq if not unified and n_seq < LLAMA_MAX_SEQ else None
+        n_streams = n_seq + (self.spare is not None)
         cparams = lib.llama_context_default_params()
-        self.n_batch = max(512, n_seq)
-        cparams.n_ctx = cells_per_seq * n_seq
+        self.n_batch = max(512, n_streams)
+        cparams.n_ctx = cells_per_seq * n_streams
         cparams.n_batch = cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = n_seq
+        cparams.n_seq_max = n_streams
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = unified
         cparams.type_k = cparams.type_v = kv_type
@@ -106,6 +111,45 @@ class KVContext:
         self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), slot, -1, -1)
         self.cached.pop(slot, None)
 
+    def _copy_stream(self, src: int, dst: int) -> None:
+        """Copy sequence `src`'s whole stream over `dst`'s (llama.cpp queues the buffer copy for the next decode, and
+        runs queued copies in order)."""
+        self.lib.llama_memory_seq_cp(self.lib.llama_get_memory(self.ctx), src, dst, -1, -1)
+
+    def pack(self, active: list[Seq], parked: list[Seq]) -> None:
+        """Move the `active` sequences into streams 0..len(active)-1 before a decode step (a no-op in a unified
+        cache). llama.cpp splits a batch over split streams into one micro-batch per run of consecutive streams: 16
+        live sequences in every other stream decoded 3.9x slower than in 16 consecutive ones (SmolLM2, f16, 2
+        threads). A stream a mover needs that holds a kept cache (`cached`, or a `parked` finished sequence not yet
+        kept) is swapped into the mover's old stream through the spare stream, so the cache survives for a
+        continuation; with no spare it is overwritten (the parked sequence's seq_id becomes -1, never kept).
+        Updates each moved Seq's seq_id and the `cached` map."""
+        n = len(active)
+        if self.unified or all(s.seq_id < n for s in active):
+            return
+        mem = self.lib.llama_get_memory(self.ctx)
+        holes = iter(sorted(set(range(n)) - {s.seq_id for s in active}))
+        owner = {s.seq_id: s for s in parked if s.seq_id >= 0}
+        for s in sorted((s for s in active if s.seq_id >= n), key=lambda s: s.seq_id):
+            hole, old = next(holes), s.seq_id
+            displaced, held = owner.pop(hole, None), self.cached.pop(hole, None)
+            self.cached.pop(old, None)
+            if (displaced is not None or held is not None) and self.spare is not None:
+                self._copy_stream(hole, self.spare)
+                self._copy_stream(old, hole)
+                self._copy_stream(self.spare, old)
+                self.lib.llama_memory_seq_rm(mem, self.spare, -1, -1)
+                if displaced is not None:
+                    displaced.seq_id = old
+                if held is not None:
+                    self.cached[old] = held
+            else:
+                self._copy_stream(old, hole)
+                self.lib.llama_memory_seq_rm(mem, old, -1, -1)
+                if displaced is not None:
+                    displaced.seq_id = -1
+            s.seq_id = hole
+
     def prefill(self, seqs: list[Seq], kv_reuse: bool) -> np.ndarray:
         """Give each sequence a KV slot (a cached one it continues, when `kv_reuse`), evaluate each group's prompt (or
         its new tail) once, share it with the group; returns the last prompt token's logits row per sequence [n, V]."""
@@ -137,9 +181,10 @@ class KVContext:
         return rows[[row_of[id(s.request)] for s in seqs]]
 
     def keep(self, seqs: list[Seq]) -> None:
-        """Record the ids each finished sequence's KV slot holds: the prompt and every sampled id but the last."""
+        """Record the ids each finished sequence's KV slot holds: the prompt and every sampled id but the last (not for
+        a sequence whose cache `pack` overwrote: seq_id -1)."""
         self.cached.update({s.seq_id: Cached(tuple(s.request.prompt_ids) + tuple(s.ids[:-1]),
-                                             len(s.request.prompt_ids)) for s in seqs})
+                                             len(s.request.prompt_ids)) for s in seqs if s.seq_id >= 0})
 
 
 def greedy_continuous(ctx: KVContext, prompts: list[tuple[int, ...]], max_new_tokens: int,
@@ -172,11 +217,15 @@ def greedy_continuous(ctx: KVContext, prompts: list[tuple[int, ...]], max_new_to
             admitted.append(queue.popleft())
             admitted[-1].seq_id = slot
         ctx.keep([s for s in done if s.seq_id not in {a.seq_id for a in admitted}])
-        entries = [(s.ids[-1], s.next_pos, s.seq_id, True) for s in active]
-        for s in admitted:  # one logits row each (its last prompt token), after the active rows
+        if not admitted:  # the queue has drained: keep the live streams consecutive (KVContext.pack)
+            ctx.pack(active, [])
+        fresh = {id(s) for s in admitted}
+        active = sorted(active + admitted, key=lambda s: s.seq_id)  # llama.cpp takes consecutive streams in order
+        entries = []
+        for s in active:  # one logits row each: the last sampled id, or an admitted prompt's last token
             p = s.request.prompt_ids
-            entries += [(t, i, s.seq_id, i == len(p) - 1) for i, t in enumerate(p)]
-        active += admitted
+            entries += ([(t, i, s.seq_id, i == len(p) - 1) for i, t in enumerate(p)] if id(s) in fresh
+                        else [(s.ids[-1], s.next_pos, s.seq_id, True)])
         if active:
             logits = ctx.decode(entries)
     return [s.ids for s in seqs]

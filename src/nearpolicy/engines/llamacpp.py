@@ -2,9 +2,10 @@
 
 Each returned log-prob is log softmax of the transformed logits the token was drawn from (engines/sampling.py),
 looked up by the sampled id (invariants 1, 2). A group of n samples evaluates its prompt once into one
-sequence, copies that KV cache to the other n - 1 sequences, and the whole wave of sequences is decoded as one
-multi-sequence batch. Weight sync = load a new GGUF (gguf_export.py) into a fresh model and context, so no
-cache of the old weights survives (invariant 9)."""
+sequence, copies that KV stream to the other n - 1 sequences, and the whole wave of sequences is decoded as one
+multi-sequence batch, the live ones packed into consecutive streams (engines/llama_context.py). Weight sync =
+load a new GGUF (gguf_export.py) into a fresh model and context, so no cache of the old weights survives
+(invariant 9)."""
 
 from __future__ import annotations
 
@@ -97,10 +98,12 @@ class LlamaCppEngine:
     that noisy distribution (engines/sampling.py; config engine.logit_noise); greedy and score are unaffected.
     `kv_reuse`: a prompt continuing a sequence of the previous call (an episode's next turn) keeps its KV cache and
     decodes only the new tokens (engines/kv_reuse.py); a rollout's extras["prefill_reused"] counts those saved.
-    generate counts its decode calls after the prefill (`take_decode_counts`); greedy and score are not counted."""
+    generate counts its decode calls after the prefill (`take_decode_counts`); greedy and score are not counted.
+    `unified_kv`: sample in one KV cache unified over all sequences instead of one stream per sequence (the default,
+    faster: engines/llama_context.py); kept for comparison (bench/kv_layout.py)."""
 
     def __init__(self, gguf_path: Path, *, max_context: int = 1024, max_parallel_sequences: int = 64,
-                 threads: int = 2, version: int = 0, unified_kv: bool = True, kv_cache: str = "f16",
+                 threads: int = 2, version: int = 0, unified_kv: bool = False, kv_cache: str = "f16",
                  flash_attention: bool = False, extra_buffers: bool = False, adaptive_threads: bool = True,
                  logit_noise: float = 0.0, kv_reuse: bool = True):
         if not 1 <= max_parallel_sequences <= LLAMA_MAX_SEQ:
@@ -116,6 +119,7 @@ class LlamaCppEngine:
         self.logit_noise, self.version, self.path = float(logit_noise), version, Path(gguf_path)
         self._model = self._sampler = self._greedy = None
         self._decode_counts = DecodeCounts()
+        self._sampling_cells = 0  # the most KV cells per sequence a sampling call has needed (_sampling_context)
         self._load(self.path)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -132,7 +136,7 @@ class LlamaCppEngine:
         self._vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self._vocab)
         try:
-            self._sampler = self._context(self.max_parallel, self.max_context, self.unified_kv)
+            self._sampler = self._context(self.max_parallel, self._cells_for(self._sampling_cells), self.unified_kv)
         except EngineError:
             lib.llama_model_free(model)
             self._model = None
@@ -184,16 +188,32 @@ class LlamaCppEngine:
                 f"{self.max_context} tokens per sequence (model.max_context)"
             )
 
+    def _cells_for(self, cells_per_seq: int) -> int:
+        """KV cells per sequence for a call needing `cells_per_seq`: a power of two from 256 up, at most max_context
+        (a stream copy moves the whole stream, so streams are no larger than the calls need)."""
+        return min(self.max_context, max(256, 1 << max(cells_per_seq - 1, 0).bit_length()))
+
     def _greedy_context(self, cells_per_seq: int) -> KVContext:
         """The greedy context (one KV stream per sequence), made again, larger, when a call needs more cells per
-        sequence than it has: a power of two from 256 up, at most max_context (the eval needs far fewer)."""
+        sequence than it has (`_cells_for`)."""
         if self._greedy is None or self._greedy.cells_per_seq < cells_per_seq:
-            size = min(self.max_context, max(256, 1 << (cells_per_seq - 1).bit_length()))
             if self._greedy is not None:
                 self._greedy.close()
                 self._greedy = None
-            self._greedy = self._context(self.max_parallel, size, unified=False)
+            self._greedy = self._context(self.max_parallel, self._cells_for(cells_per_seq), unified=False)
         return self._greedy
+
+    def _sampling_context(self, cells_per_seq: int) -> KVContext:
+        """The sampling context, made again, larger, when a call needs more cells per sequence than it has (its kept
+        caches go with it: a continuation is then prefilled from scratch). The size is remembered across weight
+        syncs, so an episode's longer later turns grow it once per engine, not once per step. Raises EngineError
+        (the current context kept) when llama.cpp cannot make the larger one."""
+        self._sampling_cells = max(self._sampling_cells, cells_per_seq)
+        if self._sampler.cells_per_seq < cells_per_seq:
+            larger = self._context(self.max_parallel, self._cells_for(cells_per_seq), self.unified_kv)
+            self._sampler.close()
+            self._sampler = larger
+        return self._sampler
 
     # -- public API ------------------------------------------------------------------------------
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int,
@@ -203,12 +223,14 @@ class LlamaCppEngine:
         every wave not started) comes back as it is, with finish_reason "interrupted"."""
         self._require_open()
         rng = np.random.default_rng(seed)
+        for r in requests:
+            self._check_prompt(r.prompt_ids, r.token_limit(sampling.max_new_tokens))
+        self._sampling_context(max((len(r.prompt_ids) + r.token_limit(sampling.max_new_tokens) for r in requests),
+                                   default=0))
         self._fit_threads(self._sampler)
         out: list[Rollout] = []
         for wave in self._waves(requests):
             seqs = [Seq(r, k, 0) for r in wave for k in range(r.n)]
-            for s in seqs:
-                self._check_prompt(s.request.prompt_ids, s.request.token_limit(sampling.max_new_tokens))
             prefilled = not (interrupt and interrupt())
             active = seqs if prefilled else []
             if prefilled:
@@ -226,6 +248,8 @@ class LlamaCppEngine:
                 if active and interrupt and interrupt():
                     break
                 if active:
+                    self._sampler.pack(active, [s for s in seqs if s.finish is not None])
+                    active.sort(key=lambda s: s.seq_id)  # llama.cpp takes consecutive streams in batch order
                     logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
                     self._decode_counts += DecodeCounts(1, len(active), self.max_parallel)
             for s in seqs:
@@ -257,6 +281,7 @@ class LlamaCppEngine:
             return []
         ids = list(prompt_ids) + list(completion_ids)
         self._check_prompt(prompt_ids, len(completion_ids))
+        self._sampling_context(len(ids))
         self._sampler.reset()
         n_prompt = len(prompt_ids)
         rows = self._decode([(t, i, 0, i >= n_prompt - 1 and i < len(ids) - 1) for i, t in enumerate(ids)])
