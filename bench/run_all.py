@@ -208,6 +208,12 @@ class Harness:
         return res
 
 
+def _shown(path: Path) -> str:
+    """`path` as a page names it: relative to the checkout when inside it (the default --out is absolute)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT.resolve())) if path.is_relative_to(ROOT.resolve()) else str(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test, not a result")
@@ -244,7 +250,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(render_markdown(res, d, command, notes(res, d) + vllm_section(),
-                                                           raw=str(args.out.with_suffix(".json"))))
+                                                           raw=_shown(args.out.with_suffix(".json"))))
     print(f"wrote {args.out.with_suffix('.md')} and .json in {res['harness_wall_s']:.0f} s")
     for f in h.failures:
         print("FAILED:", f)

@@ -123,7 +123,8 @@ def test_why_paragraphs_are_computed_from_the_run():
     assert "the mean decode call carried 18.0 sequences" in text  # (320 + 40) tokens / 20 calls
     assert "calls with 25-32 sequences ran at 320 tokens/s (50% of the bound)" in text
     assert "calls with 1-8 at 80 tokens/s (12%)" in text
-    assert "takes 30.0 s of nearpolicy's 40.0 s step" in text and "would be 0.50x TRL's 60.0 s" in text
+    assert "takes 30.0 s of nearpolicy's 40.0 s step; the 0.33x target allows 19.8 s in all" in text
+    assert "(0.50x TRL's 60.0 s for the update alone), so 20.2 s would have to go" in text
     assert "Rollout plus weight sync take 9.0 s, against about 30.0 s" in text
     assert profiles._why(res, {"decode_bound_tokens_per_s": 640.0}, []) == []
 
