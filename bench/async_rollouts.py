@@ -58,7 +58,22 @@ def run(name: str, sets: list[str], args, out_dir: Path) -> dict:
         "staleness_mean": sum(r.get("staleness/mean", 0.0) for r in steps) / len(steps),
         "off_policy_token_frac": sum(r.get("staleness/off_policy_token_frac", 0.0) for r in steps) / len(steps),
         "eval_accuracy_start": rows[0]["eval/accuracy"], "eval_accuracy_end": steps[-1]["eval/accuracy"],
+        # live sequences per engine decode call, and of the engine's slots (engines/base.DecodeCounts)
+        "decode_batch_mean": _call_weighted(steps, "rollout/decode_batch_mean"),
+        "decode_occupancy": _call_weighted(steps, "rollout/decode_occupancy"),
     }
+
+
+def _call_weighted(steps: list[dict], key: str) -> float | None:
+    """The steps' `key` averaged with each step's decode calls as weights (None when no step has it)."""
+    pairs = [(r[key], r["rollout/decode_calls"]) for r in steps if key in r and r.get("rollout/decode_calls")]
+    return sum(v * n for v, n in pairs) / sum(n for _, n in pairs) if pairs else None
+
+
+def _occupancy(r: dict) -> str:
+    if r.get("decode_batch_mean") is None:
+        return "n/a"
+    return f"{r['decode_batch_mean']:.1f} ({r['decode_occupancy']:.0%})"
 
 
 def main() -> None:
@@ -80,11 +95,11 @@ def main() -> None:
         print(f"{name}: {r['train_s']:.0f} s, {r['tokens_per_s']:.1f} tok/s, eval {r['eval_accuracy_end']:.3f}", flush=True)
     base = results[0]["train_s"]
     lines = ["| configuration | train s | speed-up | tokens/s | trainer wait s | mean / max response | staleness mean | "
-             "off-policy tokens | eval start -> end |", "|---|---|---|---|---|---|---|---|---|"]
+             "off-policy tokens | decode batch (occupancy) | eval start -> end |", "|---" * 10 + "|"]
     for r in results:
         lines.append(f"| {r['config']} | {r['train_s']:.0f} | {base / r['train_s']:.2f}x | {r['tokens_per_s']:.1f} | "
                      f"{r['trainer_wait_s']:.0f} | {r['mean_response_tokens']:.0f} / {r['max_response_tokens']:.0f} | "
-                     f"{r['staleness_mean']:.2f} | {r['off_policy_token_frac']:.0%} | "
+                     f"{r['staleness_mean']:.2f} | {r['off_policy_token_frac']:.0%} | {_occupancy(r)} | "
                      f"{r['eval_accuracy_start']:.3f} -> {r['eval_accuracy_end']:.3f} |")
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -260,3 +260,41 @@ def test_replicas_exit_when_the_trainer_is_killed(two_versions):
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(_running(p) for p in pids)
+
+
+def test_a_replica_admits_a_later_call_into_its_running_batch_and_replies_a_group_at_a_time(two_versions):
+    """EngineWorker.serve (continuous batching across calls): a second call handed over while the first decodes is
+    admitted into free slots of the same decode loop, so both take the decode calls of one (24 tokens: 23 after
+    the prefill, not 46); results come back a group at a time, every (job, sample) exactly once, every log-prob the
+    engine's teacher-forced one. A call with other sampling parameters is served after, and an interrupt hands
+    back every sample taken, unfinished ones as "interrupted"."""
+    v0, _ = two_versions
+    worker = EngineWorker(_spec(v0, 0))
+    sched = RolloutScheduler(2, 4, 1, SAMPLING.max_new_tokens)
+    first, second, third = ([_job(sched, seg) for seg in sched.next_segments(limit=2)] for _ in range(3))
+    other = SamplingParams(0.7, 1.0, 0, SAMPLING.max_new_tokens)
+    handed = iter([(2, second, SAMPLING, 5), (3, third, other, 6)])
+    replies = []
+    worker.serve((1, first, SAMPLING, 4), lambda: next(handed, None), lambda c, r: replies.append((c, r)))
+    counts = worker.take_decode_counts()
+    assert counts.calls == 2 * (SAMPLING.max_new_tokens - 1)  # calls 1 and 2 together, then call 3 alone
+    assert replies[-1][0] == 3 and all(len(r) == 2 for _, r in replies)  # a group of 2 per reply
+    got = sorted((c, r.group_id, r.sample_index) for c, results in replies for r in results)
+    assert got == sorted((c, j.group_id, i) for c, jobs in ((1, first), (2, second), (3, third))
+                         for j in jobs for i in j.sample_indices)
+    for call_id, results in replies:
+        sampling = other if call_id == 3 else SAMPLING
+        for r in results:
+            assert r.finish == "length" and len(r.completion_ids) == SAMPLING.max_new_tokens
+            scored = worker.engine.score(list(PROMPTS[r.group_id]), list(r.completion_ids), sampling)
+            assert np.allclose(r.logprobs, scored, rtol=0, atol=5e-5)
+    polls = iter([False] * 4 + [True] * 10**6)
+    cut = []
+    fourth, fifth = ([_job(sched, seg) for seg in sched.next_segments(limit=2)] for _ in range(2))
+    handed = iter([(5, fifth, SAMPLING, 8)])
+    worker.serve((4, fourth, SAMPLING, 7), lambda: next(handed, None), lambda c, r: cut.extend((c, x) for x in r),
+                 lambda: next(polls))
+    worker.close()
+    assert sorted((c, r.group_id, r.sample_index) for c, r in cut) == sorted(
+        (c, j.group_id, i) for c, jobs in ((4, fourth), (5, fifth)) for j in jobs for i in j.sample_indices)
+    assert all(r.finish == "interrupted" and 0 < len(r.completion_ids) < SAMPLING.max_new_tokens for _, r in cut)

@@ -278,3 +278,23 @@ def test_packed_streams_keep_every_sequence_on_its_own_cache(tiny_gguf_factory, 
     for rollouts in (first, second):
         logprobs, batch = _trainer_logprobs(tiny_policy[0], rollouts, sampling)
         assert (logprobs - batch.rollout_logprobs).abs()[batch.mask].max().item() < F32_BOUND
+
+
+def test_requests_beyond_the_slots_join_as_soon_as_their_group_fits(tiny_gguf_factory, tiny_policy):
+    """Continuous batching (LlamaCppEngine.stream): 4 slots, groups of 2 with token limits 2, 9, 5, 3. The third
+    group takes the first group's slots when it finishes, the fourth the third's, while the second still decodes:
+    9 decode calls (the third group's prompt joins call 2, the fourth's call 7, and the fourth's last token comes
+    from call 9) against 8 + 4 = 12 in two waves; every log-prob is the trainer's (an admitted prompt evaluated
+    into the wrong stream, or copied wrongly, would be off by far more than F32_BOUND)."""
+    sampling = SamplingParams(1.0, 1.0, 0, 12)
+    limits = [2, 9, 5, 3]
+    engine = _engine(tiny_gguf_factory("f32"), parallel=4)
+    out = engine.generate([GenerationRequest(i, PROMPTS[i % 2] + (50 + i,), 2, n) for i, n in enumerate(limits)],
+                          sampling, seed=11)
+    counts = engine.take_decode_counts()
+    engine.close()
+    assert [(r.group_id, r.sample_index, len(r.completion_ids)) for r in out] == [
+        (g, k, n) for g, n in enumerate(limits) for k in range(2)]
+    assert counts.calls == 9
+    logprobs, batch = _trainer_logprobs(tiny_policy[0], out, sampling)
+    assert (logprobs - batch.rollout_logprobs).abs()[batch.mask].max().item() < F32_BOUND

@@ -111,7 +111,7 @@ class KVContext:
         self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), slot, -1, -1)
         self.cached.pop(slot, None)
 
-    def _copy_stream(self, src: int, dst: int) -> None:
+    def copy_stream(self, src: int, dst: int) -> None:
         """Copy sequence `src`'s whole stream over `dst`'s (llama.cpp queues the buffer copy for the next decode, and
         runs queued copies in order)."""
         self.lib.llama_memory_seq_cp(self.lib.llama_get_memory(self.ctx), src, dst, -1, -1)
@@ -135,16 +135,16 @@ class KVContext:
             displaced, held = owner.pop(hole, None), self.cached.pop(hole, None)
             self.cached.pop(old, None)
             if (displaced is not None or held is not None) and self.spare is not None:
-                self._copy_stream(hole, self.spare)
-                self._copy_stream(old, hole)
-                self._copy_stream(self.spare, old)
+                self.copy_stream(hole, self.spare)
+                self.copy_stream(old, hole)
+                self.copy_stream(self.spare, old)
                 self.lib.llama_memory_seq_rm(mem, self.spare, -1, -1)
                 if displaced is not None:
                     displaced.seq_id = old
                 if held is not None:
                     self.cached[old] = held
             else:
-                self._copy_stream(old, hole)
+                self.copy_stream(old, hole)
                 self.lib.llama_memory_seq_rm(mem, old, -1, -1)
                 if displaced is not None:
                     displaced.seq_id = -1
@@ -179,6 +179,35 @@ class KVContext:
             if s is not lead:
                 lib.llama_memory_seq_cp(mem, lead.seq_id, s.seq_id, -1, -1)
         return rows[[row_of[id(s.request)] for s in seqs]]
+
+    def decode_step(self, live: list[Seq], admitted: list[Seq], finished: list[Seq]) -> np.ndarray:
+        """One decode call of continuous batching: a token for every live sequence (packed into streams
+        0..len(live)-1 by `pack` first; `live` is sorted by stream here), and the prompts of the `admitted` groups,
+        each evaluated once by its first sample in the next free stream and copied to its group's other streams (a
+        `finished` sequence whose stream is taken gets seq_id -1: never kept). Returns the logits rows
+        [len(live) + len(admitted), V] float32: live first, by stream, then admitted in order."""
+        live.sort(key=lambda s: s.seq_id)  # llama.cpp takes consecutive streams in batch order
+        occupied = {s.seq_id for s in live}
+        free = iter(slot for slot in range(self.n_seq) if slot not in occupied)
+        for s in admitted:
+            s.seq_id = next(free)
+            for old in finished:  # its cache is overwritten: never kept, never continued
+                if old.seq_id == s.seq_id:
+                    old.seq_id = -1
+            self.clear_slot(s.seq_id)
+        leaders: dict[int, Seq] = {}
+        for s in admitted:
+            leaders.setdefault(id(s.request), s)
+        entries = [(s.ids[-1], s.next_pos, s.seq_id, True) for s in live]
+        for lead in leaders.values():
+            p = lead.request.prompt_ids
+            entries += [(t, i, lead.seq_id, i == len(p) - 1) for i, t in enumerate(p)]
+        rows = self.decode(entries)
+        for s in admitted:
+            if leaders[id(s.request)] is not s:
+                self.copy_stream(leaders[id(s.request)].seq_id, s.seq_id)
+        lead_row = {key: len(live) + k for k, key in enumerate(leaders)}
+        return rows[list(range(len(live))) + [lead_row[id(s.request)] for s in admitted]]
 
     def keep(self, seqs: list[Seq]) -> None:
         """Record the ids each finished sequence's KV slot holds: the prompt and every sampled id but the last (not for

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -218,46 +219,103 @@ class LlamaCppEngine:
     # -- public API ------------------------------------------------------------------------------
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int,
                  interrupt: Callable[[], bool] | None = None) -> list[Rollout]:
-        """Sample `n` completions per request. Rollouts come back ordered by (request, sample index).
-        `interrupt` is polled before every decode step; once it returns True, every unfinished sequence (and
-        every wave not started) comes back as it is, with finish_reason "interrupted"."""
+        """Sample `n` completions per request. Rollouts come back ordered by (request, sample index). Requests
+        that do not fit in max_parallel_sequences at once join, in order, as soon as finished sequences free slots
+        for their whole group (continuous batching, `stream`). `interrupt` is polled before every decode step;
+        once it returns True, every unfinished sequence (and every request not started) comes back as it is, with
+        finish_reason "interrupted". Raises EngineError for a group larger than max_parallel_sequences or a prompt
+        that does not fit model.max_context."""
+        for r in requests:
+            if r.n > self.max_parallel:
+                raise EngineError(f"group of {r.n} samples exceeds engine.max_parallel_sequences={self.max_parallel}")
+            self._check_prompt(r.prompt_ids, r.token_limit(sampling.max_new_tokens))
+        requests = [replace(r) for r in requests]  # distinct objects: emit names a request by identity
+        waiting = deque(requests)
+
+        def pull(free_slots: int, cells: int) -> list[GenerationRequest]:
+            taken = []
+            while waiting and waiting[0].n <= free_slots:
+                free_slots -= waiting[0].n
+                taken.append(waiting.popleft())
+            return taken
+
+        done: dict[int, list[Rollout]] = {}
+        need = max((len(r.prompt_ids) + r.token_limit(sampling.max_new_tokens) for r in requests), default=0)
+        self.stream(pull, lambda r, rollouts: done.__setitem__(id(r), rollouts), sampling, seed, interrupt, need)
+        return [x for r in requests for x in done.get(id(r)) or self._unstarted(r)]
+
+    def stream(self, pull: Callable[[int, int], list[GenerationRequest]],
+               emit: Callable[[GenerationRequest, list[Rollout]], None], sampling: SamplingParams, seed: int,
+               interrupt: Callable[[], bool] | None = None, cells_per_seq: int = 0) -> None:
+        """Continuous batching: decode until no sequence is live and `pull` has nothing more. `pull(free_slots,
+        cells)` is asked before the first and after every decode step for requests to start now: whole groups, at
+        most `free_slots` samples in all, each needing at most `cells` KV cells per sequence (prompt + token limit;
+        a larger one raises EngineError); they are prefilled in the next decode call beside the live sequences.
+        `emit(request, rollouts)` is called once per request when all of its samples have finished, rollouts
+        ordered by sample index. The first requests may continue cached sequences (kv_reuse); later ones are
+        prefilled from scratch, in the slots finished sequences freed. The context holds at least `cells_per_seq`
+        cells per sequence. `interrupt` as in `generate` (requests not yet pulled are left to the caller)."""
         self._require_open()
         rng = np.random.default_rng(seed)
+        ctx = self._sampling_context(cells_per_seq)
+        self._fit_threads(ctx)
+        limit = lambda s: s.request.token_limit(sampling.max_new_tokens)  # noqa: E731
+        live = self._new_seqs(pull(self.max_parallel, ctx.cells_per_seq), ctx.cells_per_seq, sampling)
+        started, finished, emitted = list(live), [], set()
+        if not live or (interrupt and interrupt()):
+            self._emit(started, emitted, emit)
+            return
+        logits = ctx.prefill(live, self.kv_reuse)
+        while live:
+            ids, lps = sample_rows(logits, sampling, rng, self.logit_noise)
+            for s, tok, lp in zip(live, ids.tolist(), lps.tolist()):
+                s.ids.append(tok)
+                s.logprobs.append(lp)
+                if _lib_is_eog(self._vocab, tok):
+                    s.finish = "stop"
+                elif len(s.ids) >= limit(s):
+                    s.finish = "length"
+            finished += [s for s in live if s.finish is not None]
+            live = [s for s in live if s.finish is None]
+            running = {id(s.request) for s in live}
+            self._emit([s for s in started if id(s.request) not in running], emitted, emit)
+            if interrupt and interrupt():
+                break
+            ctx.pack(live, finished)
+            admitted = self._new_seqs(pull(self.max_parallel - len(live), ctx.cells_per_seq), ctx.cells_per_seq,
+                                      sampling)
+            if not live and not admitted:
+                break
+            logits = ctx.decode_step(live, admitted, finished)
+            if live:
+                self._decode_counts += DecodeCounts(1, len(live), self.max_parallel)
+            live += admitted
+            started += admitted
+        ctx.keep([s for s in started if s.seq_id >= 0])  # finished and interrupted: their caches stay
+        self._emit(started, emitted, emit)
+
+    def _new_seqs(self, requests: list[GenerationRequest], cells: int, sampling: SamplingParams) -> list[Seq]:
         for r in requests:
-            self._check_prompt(r.prompt_ids, r.token_limit(sampling.max_new_tokens))
-        self._sampling_context(max((len(r.prompt_ids) + r.token_limit(sampling.max_new_tokens) for r in requests),
-                                   default=0))
-        self._fit_threads(self._sampler)
-        out: list[Rollout] = []
-        for wave in self._waves(requests):
-            seqs = [Seq(r, k, 0) for r in wave for k in range(r.n)]
-            prefilled = not (interrupt and interrupt())
-            active = seqs if prefilled else []
-            if prefilled:
-                logits = self._sampler.prefill(seqs, self.kv_reuse)
-            while active:
-                ids, lps = sample_rows(logits, sampling, rng, self.logit_noise)
-                for s, tok, lp in zip(active, ids.tolist(), lps.tolist()):
-                    s.ids.append(tok)
-                    s.logprobs.append(lp)
-                    if _lib_is_eog(self._vocab, tok):
-                        s.finish = "stop"
-                    elif len(s.ids) >= s.request.token_limit(sampling.max_new_tokens):
-                        s.finish = "length"
-                active = [s for s in active if s.finish is None]
-                if active and interrupt and interrupt():
-                    break
-                if active:
-                    self._sampler.pack(active, [s for s in seqs if s.finish is not None])
-                    active.sort(key=lambda s: s.seq_id)  # llama.cpp takes consecutive streams in batch order
-                    logits = self._decode([(s.ids[-1], s.next_pos, s.seq_id, True) for s in active])
-                    self._decode_counts += DecodeCounts(1, len(active), self.max_parallel)
-            for s in seqs:
+            if (need := len(r.prompt_ids) + r.token_limit(sampling.max_new_tokens)) > cells:
+                raise EngineError(f"group {r.group_id} needs {need} KV cells per sequence; the stream's context "
+                                  f"holds {cells}")
+        return [Seq(r, k, 0) for r in requests for k in range(r.n)]
+
+    def _emit(self, seqs: list[Seq], emitted: set[int], emit) -> None:
+        """Emit each request of `seqs` not emitted yet, with all its samples by sample index; a sample not finished
+        comes back as it is, finish "interrupted"."""
+        groups: dict[int, list[Seq]] = {}
+        for s in seqs:
+            if id(s.request) not in emitted:
+                groups.setdefault(id(s.request), []).append(s)
+        for key, group in groups.items():
+            emitted.add(key)
+            for s in group:
                 s.finish = s.finish or "interrupted"
-            if prefilled:  # the wave's caches stay for a continuation
-                self._sampler.keep(seqs)
-            out += [self._to_rollout(s) for s in seqs]
-        return out
+            emit(group[0].request, [self._to_rollout(s) for s in sorted(group, key=lambda s: s.sample_index)])
+
+    def _unstarted(self, r: GenerationRequest) -> list[Rollout]:
+        return [self._to_rollout(Seq(r, k, 0, finish="interrupted")) for k in range(r.n)]
 
     def take_decode_counts(self) -> DecodeCounts:
         """generate's decode calls after the prefill since the last take (engines/base.DecodeCounts); then zero."""
@@ -293,20 +351,6 @@ class LlamaCppEngine:
     def stop_token_ids(self) -> frozenset[int]:
         """Every id this engine ends a response on (llama_vocab_is_eog over its vocabulary)."""
         return _eog_ids(self._vocab)
-
-    def _waves(self, requests: list[GenerationRequest]):
-        """Split requests into waves of whole groups that fit in max_parallel sequences."""
-        wave, used = [], 0
-        for r in requests:
-            if r.n > self.max_parallel:
-                raise EngineError(f"group of {r.n} samples exceeds engine.max_parallel_sequences={self.max_parallel}")
-            if used + r.n > self.max_parallel:
-                yield wave
-                wave, used = [], 0
-            wave.append(r)
-            used += r.n
-        if wave:
-            yield wave
 
     def _to_rollout(self, s: Seq) -> Rollout:
         return Rollout(

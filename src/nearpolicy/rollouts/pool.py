@@ -23,7 +23,10 @@ if TYPE_CHECKING:  # episodes.py imports torch: a replica process without episod
 
 
 class LocalPool:
-    """N engine worker processes (spawned, daemonic) fed through queues; an Event per worker interrupts decoding."""
+    """N engine worker processes (spawned, daemonic) fed through queues; an Event per worker interrupts decoding.
+    `streams`: a replica admits the samples of a call sent while it decodes into the slots its finished sequences
+    free (rollouts/worker.EngineWorker.serve), so the service may send it more before it replies; not for tool-use
+    episodes, which a replica runs one call at a time."""
 
     def __init__(self, spec: EngineSpec, replicas: int, episodes: EpisodeSetup | None = None):
         import multiprocessing as mp
@@ -48,6 +51,10 @@ class LocalPool:
     @property
     def replicas(self) -> int:
         return len(self.procs)
+
+    @property
+    def streams(self) -> bool:
+        return self.episodes is None
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -129,7 +136,10 @@ def _local_copy(gguf_bytes: bytes) -> str:
 
 class RayPool:
     """N Ray actors (each 1 CPU) on the cluster `ray.init` connects to; weights travel through the object store,
-    so replicas on other nodes need no shared filesystem."""
+    so replicas on other nodes need no shared filesystem. An actor serves one call at a time (`streams` False: no
+    continuous batching across calls)."""
+
+    streams = False
 
     def __init__(self, spec: EngineSpec, replicas: int, address: str | None = None,
                  episodes: EpisodeSetup | None = None):

@@ -106,12 +106,12 @@ class RolloutScheduler:
         return limit - (self.produced + self.unfinished_samples())
 
     # -- issue ----------------------------------------------------------------------------------
-    def next_segments(self, limit: int | None = None) -> list[Segment]:
-        """What may be issued now, at most `limit` samples (at least one segment when any is due): waiting
-        segments first (continuations, restarts), then new groups while the staleness bound allows. The segments
-        are marked in flight at the current version."""
+    def next_segments(self, limit: int | None = None, strict: bool = False) -> list[Segment]:
+        """What may be issued now, at most `limit` samples (at least one segment when any is due, unless `strict`):
+        waiting segments first (continuations, restarts), then new groups while the staleness bound allows. The
+        segments are marked in flight at the current version."""
         out, used = [], 0
-        fits = lambda n: limit is None or not out or used + n <= limit  # noqa: E731
+        fits = lambda n: limit is None or (not out and not strict) or used + n <= limit  # noqa: E731
         while self.waiting and fits(len(self.waiting[0].sample_indices)):
             seg = self.waiting.popleft()
             out.append(Segment(seg.group_id, seg.sample_indices, self.version, seg.fresh))

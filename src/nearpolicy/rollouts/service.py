@@ -23,7 +23,8 @@ class RolloutService:
         self.sched, self.pool, self.prompt_of = scheduler, pool, prompt_of
         self.sampling, self.seed, self.max_parallel, self.log = sampling, seed, max_parallel, log
         self.path, self.version = gguf_path, scheduler.version
-        self.busy: dict[int, tuple[int, list] | None] = {w: None for w in range(pool.replicas)}
+        self.busy: dict[int, dict[int, list]] = {w: {} for w in range(pool.replicas)}  # call id -> its segments
+        self.on_replica: dict[int, set] = {w: set() for w in range(pool.replicas)}  # (group, sample) not back yet
         self.idle_since = {w: time.perf_counter() for w in range(pool.replicas)}
         self.calls = 0
         self.counters: Counter = Counter()
@@ -31,18 +32,29 @@ class RolloutService:
 
     # -- driving the replicas --------------------------------------------------------------------
     def _dispatch(self) -> None:
-        for w, job in self.busy.items():
-            if job is not None:
+        """Hand due segments to replicas: an idle one takes up to max_parallel samples; a pool that batches
+        continuously (LocalPool.streams: its replicas admit a later call's samples into slots that finished
+        sequences free) also takes more for a busy replica, up to max_parallel samples in flight on it."""
+        for w in sorted(self.busy, key=lambda w: len(self.on_replica[w])):  # idle replicas first
+            calls = self.busy[w]
+            if calls and not getattr(self.pool, "streams", False):
                 continue
-            segments = self.sched.next_segments(limit=self.max_parallel)
+            room = self.max_parallel - len(self.on_replica[w])
+            if room <= 0:
+                continue
+            segments = self.sched.next_segments(limit=room, strict=bool(calls))  # a busy replica: only what fits
             if not segments:
+                if calls:
+                    continue
                 return
             jobs = [self._job(s) for s in segments]
             self.calls += 1
             seed = int(np.random.SeedSequence([self.seed, self.version, self.calls]).generate_state(1)[0])
             self.pool.submit(w, self.calls, jobs, self.sampling, seed)
-            self.busy[w] = (self.calls, segments)
-            self.counters["engine_idle_s"] += time.perf_counter() - self.idle_since[w]
+            if not calls:
+                self.counters["engine_idle_s"] += time.perf_counter() - self.idle_since[w]
+            calls[self.calls] = segments
+            self.on_replica[w].update((s.group_id, i) for s in segments for i in s.sample_indices)
 
     def _job(self, seg) -> SegmentJob:
         samples = [self.sched.sample(seg.group_id, i) for i in seg.sample_indices]
@@ -54,27 +66,35 @@ class RolloutService:
     def _handle(self, events: list[tuple]) -> None:
         for w, kind, payload in events:
             if kind == "results":
-                call_id, results, counts = payload
+                call_id, results, counts = payload  # a streaming replica replies a group at a time
                 for r in results:
                     self.sched.on_result(r)
+                    self.on_replica[w].discard((r.group_id, r.sample_index))
                 if counts is not None:
                     self.decode_counts = counts if self.decode_counts is None else self.decode_counts + counts
                 self.counters["generated_tokens"] += sum(len(r.completion_ids) for r in results)
-                self._free(w)
+                self._free(w, call_id)
             elif kind == "died":
                 self.log(f"warning: engine replica {w} died ({exit_description(payload)}); restarting it and "
                          "re-issuing its segments")
-                for seg in (self.busy[w] or (None, []))[1]:
+                for seg in (seg for segs in self.busy[w].values() for seg in segs):
                     self.sched.lost(seg)
                 self.counters["engine_restarts"] += 1
                 self.pool.restart(w, self.path, self.version)
-                self._free(w)
+                self.busy[w].clear()
+                self.on_replica[w].clear()
+                self.idle_since[w] = time.perf_counter()
             elif kind == "error":
                 raise EngineError(f"engine replica {w} failed:\n{payload}")
 
-    def _free(self, w: int) -> None:
-        self.busy[w] = None
-        self.idle_since[w] = time.perf_counter()
+    def _free(self, w: int, call_id: int) -> None:
+        """Forget call `call_id` of replica `w` once all its samples are back."""
+        segments = self.busy[w].get(call_id, [])
+        if any((s.group_id, i) in self.on_replica[w] for s in segments for i in s.sample_indices):
+            return
+        self.busy[w].pop(call_id, None)
+        if not self.busy[w]:
+            self.idle_since[w] = time.perf_counter()
 
     # -- what the trainer calls ------------------------------------------------------------------
     def next_batch(self, fresh_only: bool = False, timeout_s: float = 3600.0) -> list[GroupState]:

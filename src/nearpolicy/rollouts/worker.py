@@ -14,19 +14,29 @@ from __future__ import annotations
 
 import copy
 import traceback
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nearpolicy.engines.base import DecodeCounts, take_decode_counts
+from nearpolicy.engines.base import DecodeCounts, EngineError, take_decode_counts
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.rollouts.types import SegmentJob, SegmentResult
 from nearpolicy.types import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:  # episodes.py imports torch: a replica process without episodes must not pay for it
     from nearpolicy.rollouts.episodes import EpisodeSetup
+
+
+def _cells(request: GenerationRequest, sampling: SamplingParams) -> int:
+    """KV cells per sequence `request` needs: its prompt and its token limit."""
+    return len(request.prompt_ids) + request.token_limit(sampling.max_new_tokens)
+
+
+def _interrupted(job: SegmentJob, sample_index: int) -> SegmentResult:
+    return SegmentResult(job.group_id, sample_index, job.version, (), (), "interrupted")
 
 
 class EngineWorker:
@@ -45,30 +55,92 @@ class EngineWorker:
 
     def run(self, jobs: list[SegmentJob], sampling: SamplingParams, seed: int,
             interrupt: Callable[[], bool] | None = None) -> list[SegmentResult]:
-        """Generate every job's samples in one multi-sequence batch; one SegmentResult per (job, sample)."""
+        """Generate every job's samples in one multi-sequence batch; one SegmentResult per (job, sample), in job
+        order."""
         if self.runner is not None:
             return self.run_episodes(jobs, sampling, seed, interrupt)
-        requests, owners, out = [], [], []
-        for job in jobs:
-            if job.version != self.engine.version:
-                out += [SegmentResult(job.group_id, i, job.version, (), (), "interrupted") for i in job.sample_indices]
-            elif job.fresh:
-                requests.append(GenerationRequest(len(requests), job.prompt_ids, len(job.sample_indices),
-                                                  max_new_tokens=job.remaining[0]))
-                owners.append((job, job.sample_indices))
-            else:
-                for i, prefix, left in zip(job.sample_indices, job.prefixes, job.remaining):
-                    requests.append(GenerationRequest(len(requests), job.prompt_ids + prefix, 1, max_new_tokens=left))
-                    owners.append((job, (i,)))
-        rollouts = self.engine.generate(requests, sampling, seed, interrupt=interrupt) if requests else []
-        cursor = 0
-        for job, indices in owners:
-            for i in indices:
-                r = rollouts[cursor]
-                cursor += 1
-                out.append(SegmentResult(job.group_id, i, job.version, tuple(r.completion_ids),
-                                         tuple(float(x) for x in r.rollout_logprobs), r.finish_reason))
-        return out
+        back: list[SegmentResult] = []
+        self.serve((0, jobs, sampling, seed), lambda: None, lambda call_id, results: back.extend(results), interrupt)
+        order = {(j.group_id, i): k for k, (j, i) in enumerate((j, i) for j in jobs for i in j.sample_indices)}
+        return sorted(back, key=lambda r: order[(r.group_id, r.sample_index)])
+
+    def serve(self, call: tuple, next_call: Callable[[], tuple | None],
+              reply: Callable[[int, list[SegmentResult]], None], interrupt: Callable[[], bool] | None = None) -> None:
+        """Continuous batching across calls: decode `call` = (call_id, jobs, sampling, seed) and, as finished
+        sequences free slots, the jobs of the calls `next_call()` hands over (None: none waiting), in one decode
+        loop (engine.stream). `reply(call_id, results)` hands back results as they finish: a group (or a continued
+        sample) at a time, so the caller can send more work as soon as slots free; every (job, sample) comes back
+        exactly once. A later call with other sampling parameters is served after the ones before it. A job at
+        another version than the engine's comes back interrupted with no tokens; on `interrupt`, unfinished samples
+        come back as they are and samples not started with no tokens. Decode passes are seeded
+        SeedSequence([seed of `call`, pass]) (an asynchronous run's samples depend on timing anyway). Raises
+        EngineError for a group larger than the engine's max_parallel_sequences or a sample whose prompt and token
+        limit exceed its model.max_context."""
+        sampling, seed = call[2], call[3]
+        waiting: deque = deque()  # (call_id, job, sample indices, request), not started
+        started: dict[int, tuple] = {}  # id(request) -> the same, once the engine took it
+        postponed: list[tuple] = []  # calls with other sampling parameters
+
+        def take(entry: tuple) -> None:
+            stale = [_interrupted(job, i) for job in entry[1] if job.version != self.engine.version
+                     for i in job.sample_indices]
+            if stale:
+                reply(entry[0], stale)
+            for job in (j for j in entry[1] if j.version == self.engine.version):
+                if job.fresh:
+                    waiting.append((entry[0], job, job.sample_indices, self._request(
+                        job.group_id, job.prompt_ids, len(job.sample_indices), job.remaining[0], sampling)))
+                else:
+                    waiting.extend((entry[0], job, (i,), self._request(job.group_id, job.prompt_ids + prefix, 1, left,
+                                                                       sampling))
+                                   for i, prefix, left in zip(job.sample_indices, job.prefixes, job.remaining))
+
+        def pull(free_slots: int, cells: int) -> list[GenerationRequest]:
+            while not postponed and sum(w[3].n for w in waiting) < free_slots and (entry := next_call()) is not None:
+                (take if entry[2] == sampling else postponed.append)(entry)
+            out = []
+            while waiting and waiting[0][3].n <= free_slots and _cells(waiting[0][3], sampling) <= cells:
+                entry = waiting.popleft()
+                started[id(entry[3])] = entry
+                out.append(entry[3])
+                free_slots -= entry[3].n
+            pulled[0] += len(out)
+            return out
+
+        def emit(request: GenerationRequest, rollouts) -> None:
+            call_id, job, indices, _ = started.pop(id(request))
+            reply(call_id, [SegmentResult(job.group_id, i, job.version, tuple(r.completion_ids),
+                                          tuple(float(x) for x in r.rollout_logprobs), r.finish_reason)
+                            for i, r in zip(indices, rollouts)])
+
+        take(call)
+        passes, pulled = 0, [0]
+        while waiting:
+            before = pulled[0]
+            pass_seed = int(np.random.SeedSequence([seed, passes]).generate_state(1)[0])
+            self.engine.stream(pull, emit, sampling, pass_seed, interrupt, max(_cells(w[3], sampling) for w in waiting))
+            passes += 1
+            if interrupt and interrupt():
+                break
+            if pulled[0] == before:  # nothing could start: never loop on it
+                raise EngineError(f"the engine took none of {len(waiting)} waiting samples")
+        for call_id, job, indices, _ in waiting:
+            reply(call_id, [_interrupted(job, i) for i in indices])
+        waiting.clear()
+        for entry in postponed:
+            self.serve(entry, lambda: None, reply, interrupt)
+
+    def _request(self, group_id: int, prompt_ids: tuple[int, ...], n: int, limit: int,
+                 sampling: SamplingParams) -> GenerationRequest:
+        if n > self.engine.max_parallel:
+            raise EngineError(f"group {group_id} of {n} samples exceeds engine.max_parallel_sequences="
+                              f"{self.engine.max_parallel}")
+        request = GenerationRequest(group_id, prompt_ids, n, max_new_tokens=limit)
+        if _cells(request, sampling) > self.engine.max_context:
+            raise EngineError(f"group {group_id}: prompt of {len(prompt_ids)} tokens + "
+                              f"{request.token_limit(sampling.max_new_tokens)} new tokens exceeds the context of "
+                              f"{self.engine.max_context} tokens per sequence (model.max_context)")
+        return request
 
     def run_episodes(self, jobs: list[SegmentJob], sampling: SamplingParams, seed: int,
                      interrupt: Callable[[], bool] | None = None) -> list[SegmentResult]:
@@ -124,17 +196,37 @@ def process_main(worker_id: int, spec: EngineSpec, inbox, outbox, interrupt_even
         outbox.put((worker_id, "error", traceback.format_exc()))
         return
     outbox.put((worker_id, "ready", spec.version))
+    held: deque = deque()  # messages read while serving runs, handled in order afterwards
+
+    def next_run():
+        """The next run waiting in the inbox, or None; stops at the first other message (a load or stop must come
+        first: runs sent after a load are for the new weights)."""
+        while not held:
+            try:
+                kind, payload = inbox.get_nowait()
+            except queue.Empty:
+                return None
+            if kind == "run":
+                return payload
+            held.append((kind, payload))
+        return None
+
+    def reply(call_id, results) -> None:
+        outbox.put((worker_id, "results", (call_id, results, worker.take_decode_counts())))
+
     while not orphaned():
         try:
-            kind, payload = inbox.get(timeout=1.0)
+            kind, payload = held.popleft() if held else inbox.get(timeout=1.0)
         except queue.Empty:
             continue
         try:
             if kind == "run":
-                call_id, jobs, sampling, seed = payload
                 stop = lambda: interrupt_event.is_set() or orphaned()  # noqa: E731
-                results = worker.run(jobs, sampling, seed, stop)
-                outbox.put((worker_id, "results", (call_id, results, worker.take_decode_counts())))
+                if worker.runner is None:  # continuous batching across runs (EngineWorker.serve)
+                    worker.serve(payload, next_run, reply, stop)
+                else:
+                    call_id, jobs, sampling, seed = payload
+                    reply(call_id, worker.run(jobs, sampling, seed, stop))
             elif kind == "load":
                 worker.load(*payload)
                 interrupt_event.clear()
