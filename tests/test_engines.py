@@ -298,3 +298,27 @@ def test_requests_beyond_the_slots_join_as_soon_as_their_group_fits(tiny_gguf_fa
     assert counts.calls == 9
     logprobs, batch = _trainer_logprobs(tiny_policy[0], out, sampling)
     assert (logprobs - batch.rollout_logprobs).abs()[batch.mask].max().item() < F32_BOUND
+
+
+def test_a_refused_context_growth_keeps_the_engine_and_later_syncs_working(tiny_gguf_factory):
+    """llama.cpp refusing a larger sampling context (memory) raises EngineError with the current context kept, and
+    the refused size is not remembered: the next weight sync loads at the size that worked."""
+    from nearpolicy.engines.base import EngineError
+
+    path = tiny_gguf_factory("f32")
+    engine = LlamaCppEngine(path, max_context=1024, max_parallel_sequences=4, threads=2, kv_cache="f32")
+    real = engine._context
+
+    def refusing(n_seq, cells, unified):
+        if cells > 256:
+            raise EngineError("llama.cpp could not create a context")
+        return real(n_seq, cells, unified)
+
+    engine._context = refusing
+    with pytest.raises(EngineError, match="could not create"):
+        engine._sampling_context(600)
+    assert engine._sampler.cells_per_seq == 256
+    engine.update_weights(path, 1)
+    out = engine.generate([GenerationRequest(0, PROMPTS[0], 2)], SamplingParams(1.0, 1.0, 0, 4), seed=0)
+    engine.close()
+    assert [len(r.completion_ids) for r in out] == [4, 4]

@@ -30,12 +30,19 @@ from nearpolicy.runs import CheckpointError, list_checkpoints, load_checkpoint, 
 
 # ---------------------------------------------------------------- checkpoints: full disk, non-finite weights, kills
 def _small_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A 512x512 linear layer (1 MiB of weights, 2 MiB of Adam state) after one optimizer step."""
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(512, 512, dtype=torch.float32)  # explicit: the sizes below assume 4-byte weights
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 512, dtype=torch.float32)).sum().backward()
-    opt.step()
+    """A 512x512 linear layer (1 MiB of weights, 2 MiB of Adam state) after one optimizer step, computed on one
+    thread: bit for bit what _KILL_SCRIPT's process computes, whatever thread count an earlier test in this worker
+    left (a gradient summed on 2 threads differs in its last bits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(512, 512, dtype=torch.float32)  # explicit: the sizes below assume 4-byte weights
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, 512, dtype=torch.float32)).sum().backward()
+        opt.step()
+    finally:
+        torch.set_num_threads(threads)
     return model, opt
 
 
@@ -108,6 +115,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     from nearpolicy import runs
     from nearpolicy.runs import save_checkpoint
     run_dir, where, ready = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    torch.set_num_threads(1)  # as _small_model
     torch.manual_seed(0)
     model = torch.nn.Linear(512, 512)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

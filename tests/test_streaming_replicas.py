@@ -31,7 +31,7 @@ def test_a_busy_streaming_replica_is_never_sent_more_than_max_parallel_samples()
     service._dispatch()
     service._dispatch()
     for w, calls in service.busy.items():
-        in_flight = sum(len(seg.sample_indices) for segs in calls.values() for seg in segs)
+        in_flight = sum(len(seg.sample_indices) for segs, _ in calls.values() for seg in segs)
         assert in_flight <= 3, f"replica {w} has {in_flight} samples in flight (max_parallel 3): {sent}"
     assert sorted(w for w, _, _ in sent) == [0, 1]  # one group each, the idle replica included
 
@@ -64,3 +64,55 @@ def test_a_group_larger_than_the_engine_raises_instead_of_hanging():
     t.join(10)
     assert not t.is_alive(), "EngineWorker.run is still looping after 10 s (group of 3 > max_parallel 2)"
     assert isinstance(outcome[0], EngineError) and "exceeds engine.max_parallel_sequences" in str(outcome[0])
+
+
+def _service(replicas: int, sent: list):
+    from nearpolicy.rollouts.types import SegmentResult
+
+    pool = SimpleNamespace(replicas=replicas, streams=True, submit=lambda w, c, jobs, s, seed: sent.append((w, c, jobs)),
+                           restart=lambda w, p, v: None, interrupt_all=lambda: None, load_all=lambda p, v: None)
+    sched = RolloutScheduler(2, 2, 1, 8, partial=True)
+    service = RolloutService(sched, pool, lambda g: (1, 2, 3), SAMPLING, 0, 4, "-", log=lambda *a: None)
+    reply = lambda g, i, finish, n=3: SegmentResult(g, i, sched.version, (5,) * n, (-1.0,) * n, finish)  # noqa: E731
+    return service, sched, reply
+
+
+def test_a_replica_that_dies_loses_only_what_had_not_come_back():
+    """Replies come a group at a time, so a call can be partly back when its replica dies: a group that came back
+    and went on to the other replica must not be issued again (it would be decoded twice and its second result
+    refused as not in flight); only the dead replica's outstanding group is."""
+    sent = []
+    service, sched, reply = _service(2, sent)
+    service._dispatch()
+    (w0, c0, jobs0), (w1, c1, jobs1) = sent
+    service.publish("-", 1)
+    back, lost = jobs0[0].group_id, jobs0[1].group_id
+    service._handle([(w0, "results", (c0, [reply(back, 0, "interrupted"), reply(back, 1, "interrupted")], None))])
+    for j in jobs1:
+        service._handle([(w1, "results", (c1, [reply(j.group_id, i, "interrupted") for i in j.sample_indices], None))])
+    service._dispatch()
+    assert any(j.group_id == back for w, _, jobs in sent[2:] if w == w1 for j in jobs)  # continued on replica 1
+    service._handle([(w0, "died", 9)])
+    reissued = {s.group_id for s in sched.waiting}
+    assert lost in reissued and back not in reissued  # not the group replica 1 holds
+    service._dispatch()
+    for w in (0, 1):
+        for call_id, (segments, _) in list(service.busy[w].items()):
+            service._handle([(w, "results", (call_id, [reply(s.group_id, i, "length", 5) for s in segments
+                                                       for i in s.sample_indices], None))])
+    assert not sched.in_flight and service.busy == {0: {}, 1: {}}
+
+
+def test_a_call_is_forgotten_once_all_its_groups_are_back_even_when_one_returns_to_the_same_replica():
+    sent = []
+    service, sched, reply = _service(1, sent)
+    service._dispatch()
+    service.publish("-", 1)
+    service._handle([(0, "results", (1, [reply(0, 0, "interrupted"), reply(0, 1, "interrupted")], None))])
+    service._dispatch()  # group 0 goes back to replica 0 while call 1 still holds group 1
+    service._handle([(0, "results", (1, [reply(1, 0, "interrupted"), reply(1, 1, "interrupted")], None))])
+    service._dispatch()
+    for w, call_id, jobs in sent[1:]:
+        service._handle([(w, "results", (call_id, [reply(j.group_id, i, "length", 5) for j in jobs
+                                                   for i in j.sample_indices], None))])
+    assert not sched.in_flight and service.busy == {0: {}}

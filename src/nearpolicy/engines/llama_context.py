@@ -189,7 +189,8 @@ class KVContext:
         live.sort(key=lambda s: s.seq_id)  # llama.cpp takes consecutive streams in batch order
         occupied = {s.seq_id for s in live}
         free = iter(slot for slot in range(self.n_seq) if slot not in occupied)
-        for s in admitted:
+        firsts = {id(s) for s in {id(s.request): s for s in reversed(admitted)}.values()}
+        for s in sorted(admitted, key=lambda s: id(s) not in firsts):  # leaders first: one prefill micro-batch
             s.seq_id = next(free)
             for old in finished:  # its cache is overwritten: never kept, never continued
                 if old.seq_id == s.seq_id:

@@ -209,11 +209,11 @@ class LlamaCppEngine:
         caches go with it: a continuation is then prefilled from scratch). The size is remembered across weight
         syncs, so an episode's longer later turns grow it once per engine, not once per step. Raises EngineError
         (the current context kept) when llama.cpp cannot make the larger one."""
-        self._sampling_cells = max(self._sampling_cells, cells_per_seq)
         if self._sampler.cells_per_seq < cells_per_seq:
             larger = self._context(self.max_parallel, self._cells_for(cells_per_seq), self.unified_kv)
             self._sampler.close()
             self._sampler = larger
+        self._sampling_cells = max(self._sampling_cells, cells_per_seq)  # only once llama.cpp has made it
         return self._sampler
 
     # -- public API ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from collections.abc import Callable
 
 import numpy as np
@@ -23,8 +24,8 @@ class RolloutService:
         self.sched, self.pool, self.prompt_of = scheduler, pool, prompt_of
         self.sampling, self.seed, self.max_parallel, self.log = sampling, seed, max_parallel, log
         self.path, self.version = gguf_path, scheduler.version
-        self.busy: dict[int, dict[int, list]] = {w: {} for w in range(pool.replicas)}  # call id -> its segments
-        self.on_replica: dict[int, set] = {w: set() for w in range(pool.replicas)}  # (group, sample) not back yet
+        # replica -> call id -> (its segments, its (group, sample) pairs not back yet)
+        self.busy: dict[int, dict[int, tuple[list, set]]] = {w: {} for w in range(pool.replicas)}
         self.idle_since = {w: time.perf_counter() for w in range(pool.replicas)}
         self.calls = 0
         self.counters: Counter = Counter()
@@ -35,11 +36,11 @@ class RolloutService:
         """Hand due segments to replicas: an idle one takes up to max_parallel samples; a pool that batches
         continuously (LocalPool.streams: its replicas admit a later call's samples into slots that finished
         sequences free) also takes more for a busy replica, up to max_parallel samples in flight on it."""
-        for w in sorted(self.busy, key=lambda w: len(self.on_replica[w])):  # idle replicas first
+        for w in sorted(self.busy, key=self._on_replica):  # idle replicas first
             calls = self.busy[w]
             if calls and not getattr(self.pool, "streams", False):
                 continue
-            room = self.max_parallel - len(self.on_replica[w])
+            room = self.max_parallel - self._on_replica(w)
             if room <= 0:
                 continue
             segments = self.sched.next_segments(limit=room, strict=bool(calls))  # a busy replica: only what fits
@@ -53,8 +54,11 @@ class RolloutService:
             self.pool.submit(w, self.calls, jobs, self.sampling, seed)
             if not calls:
                 self.counters["engine_idle_s"] += time.perf_counter() - self.idle_since[w]
-            calls[self.calls] = segments
-            self.on_replica[w].update((s.group_id, i) for s in segments for i in s.sample_indices)
+            calls[self.calls] = (segments, {(s.group_id, i) for s in segments for i in s.sample_indices})
+
+    def _on_replica(self, w: int) -> int:
+        """Samples sent to replica `w` and not back yet."""
+        return sum(len(outstanding) for _, outstanding in self.busy[w].values())
 
     def _job(self, seg) -> SegmentJob:
         samples = [self.sched.sample(seg.group_id, i) for i in seg.sample_indices]
@@ -67,9 +71,10 @@ class RolloutService:
         for w, kind, payload in events:
             if kind == "results":
                 call_id, results, counts = payload  # a streaming replica replies a group at a time
+                outstanding = self.busy[w].get(call_id, ([], set()))[1]
                 for r in results:
                     self.sched.on_result(r)
-                    self.on_replica[w].discard((r.group_id, r.sample_index))
+                    outstanding.discard((r.group_id, r.sample_index))
                 if counts is not None:
                     self.decode_counts = counts if self.decode_counts is None else self.decode_counts + counts
                 self.counters["generated_tokens"] += sum(len(r.completion_ids) for r in results)
@@ -77,20 +82,21 @@ class RolloutService:
             elif kind == "died":
                 self.log(f"warning: engine replica {w} died ({exit_description(payload)}); restarting it and "
                          "re-issuing its segments")
-                for seg in (seg for segs in self.busy[w].values() for seg in segs):
-                    self.sched.lost(seg)
+                for segments, outstanding in self.busy[w].values():  # only what had not come back
+                    for seg in segments:
+                        left = tuple(i for i in seg.sample_indices if (seg.group_id, i) in outstanding)
+                        if left:
+                            self.sched.lost(replace(seg, sample_indices=left))
                 self.counters["engine_restarts"] += 1
                 self.pool.restart(w, self.path, self.version)
                 self.busy[w].clear()
-                self.on_replica[w].clear()
                 self.idle_since[w] = time.perf_counter()
             elif kind == "error":
                 raise EngineError(f"engine replica {w} failed:\n{payload}")
 
     def _free(self, w: int, call_id: int) -> None:
         """Forget call `call_id` of replica `w` once all its samples are back."""
-        segments = self.busy[w].get(call_id, [])
-        if any((s.group_id, i) in self.on_replica[w] for s in segments for i in s.sample_indices):
+        if self.busy[w].get(call_id, ([], set()))[1]:
             return
         self.busy[w].pop(call_id, None)
         if not self.busy[w]:
