@@ -328,3 +328,6 @@ def test_summary_and_report_skip_metric_values_that_are_not_numbers(tmp_path: Pa
     assert eval_table == "| 0 | 0.250 |"  # step 3's `true` is no accuracy
     assert "Training time (sum of step times, evals included): 0.2 min." in out
     assert main(["report", str(run), "-o", str(tmp_path / "odd.html")]) == 0
+    rows[0] |= {"time/eval": 60.0}  # the step-0 eval, before any step
+    assert main(["summary", str(_write_run(tmp_path / "timed", rows))]) == 0
+    assert "Training time (sum of step times, evals included): 1.2 min." in capsys.readouterr().out

@@ -99,5 +99,6 @@ def summarize(run_dir: Path, warn=None) -> str:
         if st is not None:
             out.append(f"| {key} | " + " | ".join(f"{v:.4g}" for v in st) + " |")
     train_seconds = sum(seconds for _, seconds in finite_points(steps, "time/step"))
+    train_seconds += sum(seconds for _, seconds in finite_points([r for r in rows if r.get("step") == 0], "time/eval"))
     out += ["", f"Training time (sum of step times, evals included): {train_seconds / 60:.1f} min."]
     return "\n".join(out)

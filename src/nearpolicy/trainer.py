@@ -210,6 +210,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out problems with the in-process engine at the newest weights, or the
         trainer's fp32 policy (logging.eval_policy); greedy tool-use episodes with an episode source (greedy_eval)."""
+        started = time.perf_counter()
         try:
             engine = self.rollouts.eval_engine() if self.cfg.logging.eval_policy == "engine" else policy_engine(self.s)
         except EngineDied as died:  # replicas: refreshing the eval engine to the newest weights
@@ -222,7 +223,7 @@ class Trainer:
         completions, results, extra = greedy_eval(self.rollouts, engine, problems, self.s.prompt_ids,
                                                   self.cfg.sampling.max_new_tokens, score)
         self.samples.write(eval_samples(self.state.step, self.s.tokenizer, problems, completions, results))
-        return eval_metrics(results, completions) | extra
+        return eval_metrics(results, completions) | extra | {"time/eval": time.perf_counter() - started}
 
     def train_step(self) -> dict[str, float]:
         timer = _Timer(**{"time/recompute": 0.0})
@@ -272,7 +273,7 @@ class Trainer:
         if self.state.step == 0:
             self.log(f"step 0: greedy eval on {len(self.s.task.eval_problems())} held-out problems...")
             bar.set_postfix(phase="eval")
-            first = self.evaluate()
+            first = self.evaluate()  # its time/eval is counted in `summary`'s training time
             self.metrics.write(0, first)
             self.postfix = accuracy_figure(first["eval/accuracy"])
             bar.set_postfix(self.postfix)
@@ -287,9 +288,7 @@ class Trainer:
             metrics |= self.guard.observe(step, metrics, self.log)
             if step % cfg.logging.eval_every == 0 or step == cfg.run.steps:
                 bar.set_postfix(self.postfix | {"phase": "eval"})
-                t1 = time.perf_counter()
                 metrics |= self.evaluate()
-                metrics["time/eval"] = time.perf_counter() - t1
             metrics["time/step"] = time.perf_counter() - t0
             self.metrics.write(step, metrics)
             self.postfix = progress_postfix(metrics, self.postfix)
