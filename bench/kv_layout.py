@@ -1,11 +1,12 @@
-"""llama.cpp's KV layout at the GRPO batch: one unified cache for all sequences (the engine's default) vs one stream
-per sequence (`kv_unified = false`, llama.cpp's "high-throughput" mode). In the unified cache every decode step
+"""llama.cpp's KV layout at the GRPO batch: one unified cache for all sequences (`unified_kv=True`) vs one stream
+per sequence (`kv_unified = false`, llama.cpp's "high-throughput" mode; the engine's default since 2026-12-03, with
+live sequences packed into consecutive streams, engines/llama_context.py). In the unified cache every decode step
 attends over every live cell (masked), so the attention work grows with the sequences x their length; split streams
 attend over their own cells only, but a group's prompt, evaluated once, must be copied to G streams.
 
 Same chain_sum prompts as the main job (4 x G = 8 sampled), the q8_0 GGUF given, 1 thread, each layout twice,
 interleaved. Prints tokens/s and whether the two layouts sample the same ids with the same log-probs under one seed.
-(The engine's greedy eval has run in split streams since 2026-12-02, whatever `unified_kv` says: bench/greedy_eval.py.)
+(The engine's greedy eval runs in split streams whatever `unified_kv` says: bench/greedy_eval.py.)
 
     .venv/bin/python bench/kv_layout.py runs/grpo-smollm2-chain-sum/engine/policy-q8_0.gguf [--new-tokens 64]
 """

@@ -59,6 +59,10 @@ class GenerationRequest:
     def token_limit(self, sampling_limit: int) -> int:
         return min(sampling_limit, self.max_new_tokens or sampling_limit)
 
+    def kv_cells(self, sampling_limit: int) -> int:
+        """KV cells one of its sequences may fill: the prompt and the token limit."""
+        return len(self.prompt_ids) + self.token_limit(sampling_limit)
+
 
 @dataclass
 class Rollout:

@@ -187,18 +187,17 @@ class KVContext:
         `finished` sequence whose stream is taken gets seq_id -1: never kept). Returns the logits rows
         [len(live) + len(admitted), V] float32: live first, by stream, then admitted in order."""
         live.sort(key=lambda s: s.seq_id)  # llama.cpp takes consecutive streams in batch order
-        occupied = {s.seq_id for s in live}
-        free = iter(slot for slot in range(self.n_seq) if slot not in occupied)
-        firsts = {id(s) for s in {id(s.request): s for s in reversed(admitted)}.values()}
-        for s in sorted(admitted, key=lambda s: id(s) not in firsts):  # leaders first: one prefill micro-batch
-            s.seq_id = next(free)
-            for old in finished:  # its cache is overwritten: never kept, never continued
-                if old.seq_id == s.seq_id:
-                    old.seq_id = -1
-            self.clear_slot(s.seq_id)
         leaders: dict[int, Seq] = {}
         for s in admitted:
             leaders.setdefault(id(s.request), s)
+        occupied = {s.seq_id for s in live}
+        free = iter(slot for slot in range(self.n_seq) if slot not in occupied)
+        owner = {s.seq_id: s for s in finished if s.seq_id >= 0}
+        for s in sorted(admitted, key=lambda s: leaders[id(s.request)] is not s):  # leaders first: one micro-batch
+            s.seq_id = next(free)
+            if s.seq_id in owner:  # its cache is overwritten: never kept, never continued
+                owner.pop(s.seq_id).seq_id = -1
+            self.clear_slot(s.seq_id)
         entries = [(s.ids[-1], s.next_pos, s.seq_id, True) for s in live]
         for lead in leaders.values():
             p = lead.request.prompt_ids

@@ -189,6 +189,14 @@ class LlamaCppEngine:
                 f"{self.max_context} tokens per sequence (model.max_context)"
             )
 
+    def check_request(self, request: GenerationRequest, sampling: SamplingParams) -> None:
+        """Raise EngineError when `request` can never run here: a group larger than max_parallel_sequences, or a
+        prompt + token limit over model.max_context."""
+        if request.n > self.max_parallel:
+            raise EngineError(f"group of {request.n} samples exceeds engine.max_parallel_sequences="
+                              f"{self.max_parallel}")
+        self._check_prompt(request.prompt_ids, request.token_limit(sampling.max_new_tokens))
+
     def _cells_for(self, cells_per_seq: int) -> int:
         """KV cells per sequence for a call needing `cells_per_seq`: a power of two from 256 up, at most max_context
         (a stream copy moves the whole stream, so streams are no larger than the calls need)."""
@@ -226,9 +234,7 @@ class LlamaCppEngine:
         finish_reason "interrupted". Raises EngineError for a group larger than max_parallel_sequences or a prompt
         that does not fit model.max_context."""
         for r in requests:
-            if r.n > self.max_parallel:
-                raise EngineError(f"group of {r.n} samples exceeds engine.max_parallel_sequences={self.max_parallel}")
-            self._check_prompt(r.prompt_ids, r.token_limit(sampling.max_new_tokens))
+            self.check_request(r, sampling)
         requests = [replace(r) for r in requests]  # distinct objects: emit names a request by identity
         waiting = deque(requests)
 
@@ -240,7 +246,7 @@ class LlamaCppEngine:
             return taken
 
         done: dict[int, list[Rollout]] = {}
-        need = max((len(r.prompt_ids) + r.token_limit(sampling.max_new_tokens) for r in requests), default=0)
+        need = max((r.kv_cells(sampling.max_new_tokens) for r in requests), default=0)
         self.stream(pull, lambda r, rollouts: done.__setitem__(id(r), rollouts), sampling, seed, interrupt, need)
         return [x for r in requests for x in done.get(id(r)) or self._unstarted(r)]
 
@@ -296,7 +302,7 @@ class LlamaCppEngine:
 
     def _new_seqs(self, requests: list[GenerationRequest], cells: int, sampling: SamplingParams) -> list[Seq]:
         for r in requests:
-            if (need := len(r.prompt_ids) + r.token_limit(sampling.max_new_tokens)) > cells:
+            if (need := r.kv_cells(sampling.max_new_tokens)) > cells:
                 raise EngineError(f"group {r.group_id} needs {need} KV cells per sequence; the stream's context "
                                   f"holds {cells}")
         return [Seq(r, k, 0) for r in requests for k in range(r.n)]

@@ -30,11 +30,6 @@ if TYPE_CHECKING:  # episodes.py imports torch: a replica process without episod
     from nearpolicy.rollouts.episodes import EpisodeSetup
 
 
-def _cells(request: GenerationRequest, sampling: SamplingParams) -> int:
-    """KV cells per sequence `request` needs: its prompt and its token limit."""
-    return len(request.prompt_ids) + request.token_limit(sampling.max_new_tokens)
-
-
 def _interrupted(job: SegmentJob, sample_index: int) -> SegmentResult:
     return SegmentResult(job.group_id, sample_index, job.version, (), (), "interrupted")
 
@@ -96,15 +91,17 @@ class EngineWorker:
                                    for i, prefix, left in zip(job.sample_indices, job.prefixes, job.remaining))
 
         def pull(free_slots: int, cells: int) -> list[GenerationRequest]:
+            nonlocal pulled
             while not postponed and sum(w[3].n for w in waiting) < free_slots and (entry := next_call()) is not None:
                 (take if entry[2] == sampling else postponed.append)(entry)
             out = []
-            while waiting and waiting[0][3].n <= free_slots and _cells(waiting[0][3], sampling) <= cells:
+            fits = lambda r: r.n <= free_slots and r.kv_cells(sampling.max_new_tokens) <= cells  # noqa: E731
+            while waiting and fits(waiting[0][3]):
                 entry = waiting.popleft()
                 started[id(entry[3])] = entry
                 out.append(entry[3])
                 free_slots -= entry[3].n
-            pulled[0] += len(out)
+            pulled += len(out)
             return out
 
         def emit(request: GenerationRequest, rollouts) -> None:
@@ -114,15 +111,16 @@ class EngineWorker:
                             for i, r in zip(indices, rollouts)])
 
         take(call)
-        passes, pulled = 0, [0]
+        passes = pulled = 0
         while waiting:
-            before = pulled[0]
+            before = pulled
             pass_seed = int(np.random.SeedSequence([seed, passes]).generate_state(1)[0])
-            self.engine.stream(pull, emit, sampling, pass_seed, interrupt, max(_cells(w[3], sampling) for w in waiting))
+            need = max(w[3].kv_cells(sampling.max_new_tokens) for w in waiting)
+            self.engine.stream(pull, emit, sampling, pass_seed, interrupt, need)
             passes += 1
             if interrupt and interrupt():
                 break
-            if pulled[0] == before:  # nothing could start: never loop on it
+            if pulled == before:  # nothing could start: never loop on it
                 raise EngineError(f"the engine took none of {len(waiting)} waiting samples")
         for call_id, job, indices, _ in waiting:
             reply(call_id, [_interrupted(job, i) for i in indices])
@@ -132,14 +130,8 @@ class EngineWorker:
 
     def _request(self, group_id: int, prompt_ids: tuple[int, ...], n: int, limit: int,
                  sampling: SamplingParams) -> GenerationRequest:
-        if n > self.engine.max_parallel:
-            raise EngineError(f"group {group_id} of {n} samples exceeds engine.max_parallel_sequences="
-                              f"{self.engine.max_parallel}")
         request = GenerationRequest(group_id, prompt_ids, n, max_new_tokens=limit)
-        if _cells(request, sampling) > self.engine.max_context:
-            raise EngineError(f"group {group_id}: prompt of {len(prompt_ids)} tokens + "
-                              f"{request.token_limit(sampling.max_new_tokens)} new tokens exceeds the context of "
-                              f"{self.engine.max_context} tokens per sequence (model.max_context)")
+        self.engine.check_request(request, sampling)
         return request
 
     def run_episodes(self, jobs: list[SegmentJob], sampling: SamplingParams, seed: int,
