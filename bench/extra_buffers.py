@@ -21,7 +21,8 @@ from pathlib import Path
 from nearpolicy.config import TaskConfig
 from nearpolicy.doctor import SIMD_FLAGS, cpu_facts
 from nearpolicy.engines.base import EngineError
-from nearpolicy.engines.llamacpp import EngineSpec, system_info
+from nearpolicy.engines.llama_lib import system_info
+from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.engines.process import ProcessEngine
 from nearpolicy.models import default_model_gguf, load_policy
 from nearpolicy.engines.gguf_export import export_model_gguf

@@ -217,35 +217,42 @@ def _cli(model_path, out: Path, capsys, *extra: str, resume: bool = False) -> tu
 
 
 @pytest.mark.slow
-def test_disk_full_during_the_engine_gguf_export_keeps_checkpoint_and_engine_file(tiny_gguf_factory, tmp_path,
-                                                                                 capsys, monkeypatch):
-    """GGUF writes: the tensor-less vocabulary GGUF (the stop set) and the engine's at startup, then 1 per step's
-    sync. The fourth (step 2's sync) hits ENOSPC half-way."""
-    import gguf
-
+def test_disk_full_during_the_engine_gguf_sync_keeps_checkpoint_and_engine_file(tiny_gguf_factory, tmp_path,
+                                                                               capsys, monkeypatch):
+    """The engine's GGUF is written whole at startup, then each step's sync rewrites its tensors in place
+    (engines/gguf_inplace.py). Step 2's rewrite hits ENOSPC half-way: the run stops naming the file and the last
+    checkpoint, the file stays a complete GGUF, and the resumed run writes it whole again and finishes."""
+    from nearpolicy.engines import gguf_inplace
     from nearpolicy.models import resolve_model
 
-    model = tiny_gguf_factory("f32")  # exported before the writer is broken
-    real, calls = gguf.GGUFWriter.write_tensors_to_file, []
+    model = tiny_gguf_factory("f32")
+    real, calls = gguf_inplace.rewrite, []
 
-    def filling(self, *, progress=False):
+    def filling(path, slots, tensors):
         calls.append(1)
-        if len(calls) == 4:
-            self.fout[0].write(b"\0" * 4096)
+        if len(calls) == 2:
+            half = dict(list(tensors.items())[: len(tensors) // 2])
+            real(path, {name: slots[name] for name in half}, half)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, progress=progress)
+        return real(path, slots, tensors)
 
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", filling)
+    monkeypatch.setattr(gguf_inplace, "rewrite", filling)
     rc, err = _cli(model, tmp_path, capsys, "engine.precision=q8_0")
     run = tmp_path / "c"
     assert rc == 1, err
     assert (f"error: [Errno 28] could not write the engine GGUF {run}/engine/policy-q8_0.gguf (No space left on "
-            f"device); the previous policy-q8_0.gguf is unchanged at step 1; the last checkpoint "
-            f"{run}/checkpoints/step_000001 is intact (continue: nearpolicy train --resume {run})") in err
-    assert sorted(p.name for p in (run / "engine").iterdir()) == ["llamacpp.log", "policy-q8_0.gguf", "vocab.gguf"]  # no temp
+            f"device); policy-q8_0.gguf is partly rewritten (the next weight sync writes it whole) at step 1; the last "
+            f"checkpoint {run}/checkpoints/step_000001 is intact (continue: ") in err
+    assert f"nearpolicy train --resume {run})" in err  # the command as this process was started
+    assert sorted(p.name for p in (run / "engine").iterdir()) == ["llamacpp.log", "policy-q8_0.gguf", "vocab.gguf"]
     assert resolve_model(str(run / "engine" / "policy-q8_0.gguf")).kind == "gguf"  # complete, readable
     state = json.loads((run / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert (state["step"], state["version"], state["engine_precision"]) == (1, 1, "q8_0")
+    monkeypatch.undo()
+    rc, err = _cli(model, tmp_path, capsys, "engine.precision=q8_0", resume=True)
+    assert rc == 0, err
+    state = json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert (state["step"], state["version"]) == (2, 2)
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from nearpolicy.engines.export_rounding import check_rounding, rounding_input
 from nearpolicy.engines.gguf_export import QTYPES, tensor_precision as _gguf_precision
+from nearpolicy.engines.gguf_quantize import quantize
 from nearpolicy.engines.precision_map import PrecisionMap
 from nearpolicy.ops.ggml_quant import (
     activation_format, fake_quant_activation, q8_1_sum_residual, rope_cos_sin, round_fp16, straight_through,
@@ -72,7 +73,7 @@ def engine_weight(weight: torch.Tensor, precision: str, rounding: str = "nearest
     if precision == "f32":
         return weight.to(torch.float32), None
     w = rounding_input(w, precision, rounding, seed)  # the exporter's draw: same seed, same bytes
-    packed = gguf.quants.quantize(w, qtype)
+    packed = quantize(w, qtype)
     deq = torch.from_numpy(gguf.quants.dequantize(packed, qtype).reshape(w.shape).astype(np.float32))
     mins = None
     if precision == "q4_1":  # block_q4_1 = {fp16 d, fp16 m, uint8 qs[16]}: 20 bytes per 32 weights

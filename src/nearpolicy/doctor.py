@@ -107,7 +107,7 @@ def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
     try:
         import llama_cpp
 
-        from nearpolicy.engines.llamacpp import system_info
+        from nearpolicy.engines.llama_lib import system_info
 
         out.append(Check("llama-cpp-python", f"{llama_cpp.__version__}: {system_info()}"))
         if probe:

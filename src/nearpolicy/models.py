@@ -245,7 +245,7 @@ def stop_token_ids(model, tokenizer, template: Path | None, folder: Path) -> set
     `tokenizer`), read from a tensor-less GGUF written to `folder`. SmolLM2: {0, 2, 4}, a superset of the HF
     tokenizer's eos (2) and <|im_end|> (2) (invariant 18)."""
     from nearpolicy.engines.gguf_export import export_vocab_gguf
-    from nearpolicy.engines.llamacpp import eog_token_ids
+    from nearpolicy.engines.llama_lib import eog_token_ids
 
     folder.mkdir(parents=True, exist_ok=True)
     return set(eog_token_ids(export_vocab_gguf(model.config, folder / "vocab.gguf", template, tokenizer)))

@@ -36,6 +36,7 @@ class Session:
     plan: dict = field(default_factory=dict)
     ref_model: torch.nn.Module | None = None
     teacher: torch.nn.Module | None = None
+    engine_gguf: Callable[[], object] | None = None  # the in-process llama.cpp engine's GGUF (engine_weights)
 
     @property
     def pad_id(self) -> int:
@@ -202,13 +203,20 @@ def gguf_writer(cfg: Config, session: Session) -> Callable[[Path], Path]:
                                             session.template_gguf, session.tokenizer, e.export_rounding, cfg.run.seed)
 
 
-def engine_weights(cfg: Config, session: Session) -> Callable[[], object]:
-    """What the in-process engine loads on a weight sync: a freshly written GGUF (llamacpp) or the state dict (hf;
-    vllm, whose engine writes it as an HF folder and reloads it in place)."""
-    if cfg.engine.kind == "llamacpp":
-        write = gguf_writer(cfg, session)
-        return lambda: write(session.engine_dir)
-    return lambda: session.model.state_dict()
+def engine_weights(cfg: Config, session: Session, log=print) -> Callable[[], object]:
+    """What the in-process engine loads on a weight sync: its GGUF, written whole the first time and rewritten in
+    place after that (llamacpp: one engines/gguf_inplace.EngineGGUF per session), or the state dict (hf; vllm, whose
+    engine writes it as an HF folder and reloads it in place)."""
+    if cfg.engine.kind != "llamacpp":
+        return lambda: session.model.state_dict()
+    if session.engine_gguf is None:
+        from nearpolicy.engines.gguf_inplace import EngineGGUF
+
+        e = cfg.engine
+        session.engine_gguf = EngineGGUF(session.model, session.engine_dir, e.precision,
+                                         tuple(e.tensor_precision.items()), session.template_gguf, session.tokenizer,
+                                         e.export_rounding, cfg.run.seed, log=log)
+    return session.engine_gguf
 
 
 def build_engine(cfg: Config, session: Session, log=print):
@@ -223,7 +231,7 @@ def build_engine(cfg: Config, session: Session, log=print):
 
         log(f"exporting the policy to GGUF ({_engine_precision(e)}) and starting the llama.cpp engine process...")
         probe_prompt = session.prompt_ids(session.task.train_problem(0))
-        path = gguf_writer(cfg, session)(session.engine_dir)
+        path = engine_weights(cfg, session, log)()  # the first call writes the whole file
         return ProcessEngine(engine_spec(cfg, path), f"llamacpp:{_engine_precision(e)}",
                              log_path=session.engine_dir / "llamacpp.log", probe_prompt=probe_prompt)
     from nearpolicy.engines.hf import HFEngine
@@ -264,7 +272,7 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
         from nearpolicy.rollouts.inline import InlineRollouts
 
         a = cfg.algorithm
-        return InlineRollouts(engine, engine_weights(cfg, session), session.task, session.prompt_ids, sampling,
+        return InlineRollouts(engine, engine_weights(cfg, session, log), session.task, session.prompt_ids, sampling,
                               a.group_size, a.prompts_per_step, cfg.run.seed)
     from nearpolicy.rollouts.replicas import ReplicaRollouts
 
@@ -295,7 +303,7 @@ def build_episodes(cfg: Config, session: Session, engine, sampling: SamplingPara
         return EpisodeReplicaRollouts(cfg, engine, gguf_writer(cfg, session), session.engine_dir / "published",
                                       _replica_spec(cfg), session.task, session.episode_prompt_ids, session.prompt_ids,
                                       sampling, episodes, runner, log)
-    return EpisodeRollouts(engine, engine_weights(cfg, session), session.task, session.episode_prompt_ids,
+    return EpisodeRollouts(engine, engine_weights(cfg, session, log), session.task, session.episode_prompt_ids,
                            session.prompt_ids, runner, sampling, a.group_size, a.prompts_per_step, cfg.run.seed,
                            e.eval_without_tool, cfg.sampling.max_new_tokens)
 

@@ -9,6 +9,7 @@ given completions (teacher forcing) under a sampling transform, used for sync ve
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -43,11 +44,28 @@ class RolloutEngine(Protocol):
         """True for every id that ends a response (the engine's end-of-generation set)."""
         ...
 
-    def update_weights(self, source: Path | dict, version: int) -> None:
-        """Load new policy weights (a GGUF path or a state dict, by engine) and set the policy version."""
+    def update_weights(self, source: "Path | RewrittenGGUF | dict", version: int) -> None:
+        """Load new policy weights (a GGUF path or RewrittenGGUF, or a state dict, by engine) and set the policy
+        version."""
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RewrittenGGUF:
+    """A llama.cpp update_weights source: every tensor of the GGUF at `path`, the file whose (st_dev, st_ino) is
+    `file_id`, was rewritten in place (engines/gguf_inplace.py). An engine mapping that very file keeps its model
+    and drops its caches; any other reloads from `path`."""
+
+    path: str
+    file_id: tuple[int, int]
+
+
+def file_id(path: Path | str) -> tuple[int, int]:
+    """(st_dev, st_ino) of `path`: which file a path names (an atomic rewrite makes a new one). Raises OSError."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 @dataclass(frozen=True)

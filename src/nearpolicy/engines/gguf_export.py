@@ -10,8 +10,6 @@ convert_hf_to_gguf.py does (transformers undoes it on GGUF load); 2-D weights qu
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import re
 import tempfile
@@ -25,6 +23,8 @@ import numpy as np
 import torch
 
 from nearpolicy.engines.export_rounding import check_rounding, rounding_input
+from nearpolicy.engines.gguf_quantize import quantize
+from nearpolicy.engines.gguf_tokenizer import add_tokenizer_metadata
 from nearpolicy.engines.precision_map import PrecisionMap, precision_for, selector_matches, validate_selector
 
 _Q = gguf.GGMLQuantizationType
@@ -46,11 +46,6 @@ _ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
 # Template fields not copied: virtual reader fields, ones GGUFWriter writes, and ones derived from the config.
 _SKIP_PREFIXES = ("GGUF.", "llama.")
 _SKIP_KEYS = {"general.architecture", "general.file_type", "general.quantization_version", "general.alignment"}
-
-# sha256 of str(tokenizer.encode(_PRE_PROBE)) -> llama.cpp pre-tokenizer name (only tokenizers checked here).
-_PRE_PROBE = "Hello world! 3.14159 and 1234567 apples\n\n  tabs\tand   spaces; don't I'm 'quoted' ü 中文 🙂 <>[]{}"
-_PRE_BY_HASH = {"b1fdb05d831d41a56a8b5db1172f110d737292886d25707967819b504da913c8": "smollm"}  # SmolLM2
-
 
 @dataclass
 class ExportReport:
@@ -87,18 +82,38 @@ def export_gguf(
     Raises ValueError (unknown precision or rounding, unknown tensor name, non-llama template), NotImplementedError
     (rope scaling, a tokenizer this exporter cannot describe); on any error `out_path` is left untouched.
     """
+    out_path = Path(out_path)
+    start = time.perf_counter()
+    check_precisions(precision, embedding_precision, tensor_precision, rounding)
+    writer, tensor_order = _metadata_writer(config, QTYPES[precision][1], template_gguf, tokenizer)
+    report = ExportReport(path=out_path, precision=precision)
+    for name, array, raw_dtype in convert_state(state_dict, config, precision, embedding_precision, tensor_precision,
+                                                rounding, rounding_seed, tensor_order, report):
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    _write_atomically(writer, out_path)
+    report.bytes = out_path.stat().st_size
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def check_precisions(precision: str, embedding_precision: str | None, tensor_precision: PrecisionMap,
+                     rounding: str) -> None:
+    """Raise ValueError for an unknown precision, an invalid tensor selector or a rounding the precisions reject."""
     for p in (precision, embedding_precision or precision, *(p for _, p in tensor_precision)):
         if p not in QTYPES:
             raise ValueError(f"unknown GGUF precision {p!r}; valid: {', '.join(PRECISIONS)}")
     check_rounding(rounding, {precision, embedding_precision or precision, *(p for _, p in tensor_precision)})
-    ftype = QTYPES[precision][1]
-    out_path = Path(out_path)
-    start = time.perf_counter()
-    report = ExportReport(path=out_path, precision=precision)
-
-    writer, tensor_order = _metadata_writer(config, ftype, template_gguf, tokenizer)
     for selector, _ in tensor_precision:
         validate_selector(selector)  # an unknown selector fails before anything is written
+
+
+def convert_state(state_dict: dict[str, torch.Tensor], config: Any, precision: str, embedding_precision: str | None,
+                  tensor_precision: PrecisionMap, rounding: str, rounding_seed: int, tensor_order: tuple[str, ...] = (),
+                  report: ExportReport | None = None) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
+    """(GGUF name, stored array, GGML type) per tensor of `state_dict`, exactly as `export_gguf` writes them (in
+    `tensor_order` when it names the same tensors); fills `report`'s tensor types. Raises ValueError as
+    `export_gguf` does, including for a tensor selector that matches no tensor."""
+    report = report or ExportReport(path=Path(), precision=precision)
 
     def qtype_of(name: str) -> gguf.GGMLQuantizationType:
         default = (embedding_precision or precision) if name in _EMBEDDING else precision
@@ -107,18 +122,13 @@ def export_gguf(
     def gridded(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:  # what gguf-py rounds to nearest
         return rounding_input(w, qtype.name.lower(), rounding, rounding_seed)
 
-    for name, array, raw_dtype in _convert_tensors(state_dict, config, qtype_of, gridded, tensor_order, report):
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    tensors = _convert_tensors(state_dict, config, qtype_of, gridded, tensor_order, report)
     for selector, _ in tensor_precision:  # a selector that picks nothing is a typo or the wrong model
         if not any(selector_matches(selector, name) for name in report.tensor_types):
             raise ValueError(f"tensor selector {selector!r} matches no tensor of this model ({config.num_hidden_layers} "
                              f"blocks, blk.0-{config.num_hidden_layers - 1}"
                              f"{'; the output head is tied to the embeddings' if 'output.weight' not in report.tensor_types else ''})")
-
-    _write_atomically(writer, out_path)
-    report.bytes = out_path.stat().st_size
-    report.seconds = time.perf_counter() - start
-    return report
+    return tensors
 
 
 def export_model_gguf(model: torch.nn.Module, folder: Path, precision: str, tensor_precision: PrecisionMap,
@@ -164,7 +174,7 @@ def _metadata_writer(config: Any, ftype: gguf.LlamaFileType, template_gguf: Path
             elif not (key in _SKIP_KEYS or key.startswith(_SKIP_PREFIXES)):
                 writer.add_key_value(key, value, vtype, sub_type=sub_type)
     elif tokenizer is not None:
-        _add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
+        add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
     else:
         raise ValueError("export_gguf needs template_gguf or an HF tokenizer for the tokenizer metadata")
     for key, v in arch_kv.items():
@@ -263,7 +273,7 @@ def _convert_tensors(
         elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             w = _permute(w, n_kv)
         w = np.ascontiguousarray(w, dtype=np.float32)
-        out.append((name, gguf.quants.quantize(w, t), t))
+        out.append((name, quantize(w, t), t))
         report.tensor_types[name] = t.name
     if sorted(template_order) == sorted(n for n, _, _ in out):
         rank = {n: i for i, n in enumerate(template_order)}
@@ -331,62 +341,6 @@ def _template_fields(path: str, size: int, mtime_ns: int) -> tuple[tuple[tuple[A
     return tuple(fields), tuple(t.name for t in reader.tensors)
 
 
-def _add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: Any, n_vocab: int) -> None:
-    """Tokenizer metadata from an HF fast byte-level BPE tokenizer (gguf-py's SpecialVocab for merges / ids)."""
-    with tempfile.TemporaryDirectory() as d:
-        tokenizer.save_pretrained(d)
-        tj_path = Path(d) / "tokenizer.json"
-        if not tj_path.is_file():
-            raise NotImplementedError("GGUF export without a template needs a fast tokenizer (tokenizer.json)")
-        tj = json.loads(tj_path.read_text(encoding="utf-8"))
-        model = tj.get("model", {})
-        if model.get("type") != "BPE" or (tj.get("decoder") or {}).get("type") != "ByteLevel":
-            raise NotImplementedError("GGUF export without a template supports byte-level BPE tokenizers only")
-        special = gguf.SpecialVocab(d, load_merges=True, n_vocab=n_vocab)
-    id_to_tok = {i: t for t, i in model["vocab"].items()}
-    added = {a["id"]: a for a in tj.get("added_tokens", [])}
-    for i, a in added.items():
-        id_to_tok[i] = a["content"]
-    if max(id_to_tok) >= n_vocab:
-        raise ValueError(f"tokenizer has ids up to {max(id_to_tok)} but config.vocab_size is {n_vocab}")
-    tokens, types = [], []
-    for i in range(n_vocab):
-        if i not in id_to_tok:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        elif i in added:
-            tokens.append(id_to_tok[i])
-            types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
-        else:
-            tokens.append(id_to_tok[i])
-            types.append(gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer_name(tokenizer))
-    writer.add_add_space_prefix(False)
-    writer.add_token_list(tokens)
-    writer.add_token_types([int(t) for t in types])
-    special.add_to_gguf(writer, quiet=True)
-    probe = tokenizer("a")["input_ids"]
-    for key, flag in (
-        (gguf.Keys.Tokenizer.ADD_BOS, bool(probe) and probe[0] == tokenizer.bos_token_id),
-        (gguf.Keys.Tokenizer.ADD_EOS, bool(probe) and probe[-1] == tokenizer.eos_token_id),
-    ):
-        if key not in writer.kv_data[0]:
-            writer.add_bool(key, flag)
-
-
-def _pre_tokenizer_name(tokenizer: Any) -> str:
-    """llama.cpp pre-tokenizer name, identified by how `tokenizer` splits a probe text (as convert_hf_to_gguf does)."""
-    digest = hashlib.sha256(str(tokenizer.encode(_PRE_PROBE, add_special_tokens=False)).encode()).hexdigest()
-    name = _PRE_BY_HASH.get(digest)
-    if not name:
-        raise NotImplementedError(
-            f"unknown BPE pre-tokenizer (probe hash {digest[:16]}): llama.cpp would split text differently; "
-            "export with template_gguf= a GGUF that has this tokenizer"
-        )
-    return name
-
-
 def round_to_precision(weight: np.ndarray, precision: str) -> np.ndarray:
     """Quantize a float32 [out, in] weight to `precision` and dequantize it back (float32, same shape): the
     weight-rounding error of that type without its kernels. Rows whose length is not a multiple of the type's
@@ -394,5 +348,5 @@ def round_to_precision(weight: np.ndarray, precision: str) -> np.ndarray:
     qtype = QTYPES[precision][0]
     if weight.ndim < 2 or weight.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
         return weight
-    packed = gguf.quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype)
+    packed = quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype)
     return gguf.quants.dequantize(packed, qtype).reshape(weight.shape).astype(np.float32)

@@ -4,13 +4,11 @@ Each returned log-prob is log softmax of the transformed logits the token was dr
 looked up by the sampled id (invariants 1, 2). A group of n samples evaluates its prompt once into one
 sequence, copies that KV stream to the other n - 1 sequences, and the whole wave of sequences is decoded as one
 multi-sequence batch, the live ones packed into consecutive streams (engines/llama_context.py). Weight sync =
-load a new GGUF (gguf_export.py) into a fresh model and context, so no cache of the old weights survives
-(invariant 9)."""
+load a new GGUF (gguf_export.py) into a fresh model and context, or, when the trainer rewrote the mapped file's
+tensors in place (gguf_inplace.py), clear every KV cache: no cache of the old weights survives (invariant 9)."""
 
 from __future__ import annotations
 
-import ctypes
-import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,46 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from nearpolicy.engines.base import LLAMA_MAX_SEQ, DecodeCounts, EngineError
+from nearpolicy.engines.base import LLAMA_MAX_SEQ, DecodeCounts, EngineError, RewrittenGGUF, file_id
 from nearpolicy.engines.cpu_load import fit_threads, free_cores
+from nearpolicy.engines.llama_lib import eog_ids, is_eog, load_lib, set_log_file
 from nearpolicy.engines.llama_context import KVContext, Seq, greedy_continuous
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
-_LOG_CALLBACK = None  # keeps the log callback alive
-_LOG_FD: int | None = None  # where llama.cpp's log goes (None: dropped)
 KV_CACHE_TYPES = {"f32": 0, "f16": 1}  # KV-cache dtype -> ggml_type id (config engine.kv_cache)
-_LOG_MIN_LEVEL = 2  # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line
-_GGML_LOG_CONT = 5
-
-
-def _llama():
-    import llama_cpp  # lazy: the dependency is heavy and optional for pure-math users
-
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is None:
-        _LOG_CALLBACK = llama_cpp.llama_log_callback(_log_line)
-        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
-        llama_cpp.llama_backend_init()
-    return llama_cpp
-
-
-def _log_line(level, text, user) -> None:
-    if _LOG_FD is not None and text and (level >= _LOG_MIN_LEVEL or level == _GGML_LOG_CONT and _LOG_MIN_LEVEL <= 2):
-        os.write(_LOG_FD, text)
-
-
-def set_log_file(fd: int | None, min_level: int = 2) -> None:
-    """Send llama.cpp's own log to the open file descriptor `fd` (None: drop it, the default), from ggml log level
-    `min_level` up (2 info, 3 warnings, 4 errors; debug, thousands of lines per load, is never written)."""
-    global _LOG_FD, _LOG_MIN_LEVEL
-    _LOG_FD, _LOG_MIN_LEVEL = fd, max(min_level, 2)
-    _llama()
-
-
-def system_info() -> str:
-    """llama.cpp's compiled CPU features, e.g. "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 |"."""
-    return _llama().llama_print_system_info().decode(errors="replace").strip()
 
 
 @dataclass(frozen=True)
@@ -125,11 +91,13 @@ class LlamaCppEngine:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _load(self, path: Path) -> None:
-        lib = _llama()
+        lib = load_lib()
         if not path.is_file():
             raise EngineError(f"GGUF file not found: {path}")
         mparams = lib.llama_model_default_params()
         mparams.use_extra_bufts = self.extra_buffers
+        mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP  # the weights are the file's pages (in-place sync)
+        loaded_file = file_id(path)
         model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise EngineError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF)")
@@ -144,10 +112,10 @@ class LlamaCppEngine:
             raise EngineError(f"llama.cpp could not create a context for {path}") from None
         self._greedy: KVContext | None = None  # one stream per sequence, made on the first greedy call
         self.threads_used = self.threads  # a new context starts at the configured count
-        self.path = path
+        self.path, self._file_id = path, loaded_file
 
     def _context(self, n_seq: int, cells_per_seq: int, unified: bool) -> KVContext:
-        return KVContext(_llama(), self._model, self.n_vocab, n_seq=n_seq, cells_per_seq=cells_per_seq,
+        return KVContext(load_lib(), self._model, self.n_vocab, n_seq=n_seq, cells_per_seq=cells_per_seq,
                          unified=unified, threads=self.threads,
                          kv_type=KV_CACHE_TYPES[self.kv_cache], flash_attention=self.flash_attention)
 
@@ -156,11 +124,22 @@ class LlamaCppEngine:
             if ctx is not None:
                 ctx.close()
         if self._model:
-            _llama().llama_model_free(self._model)
+            load_lib().llama_model_free(self._model)
         self._model = self._sampler = self._greedy = None
 
-    def update_weights(self, source: Path | dict, version: int) -> None:
-        """Reload from a GGUF file written by gguf_export; drops every cache of the previous weights."""
+    def update_weights(self, source: Path | str | RewrittenGGUF, version: int) -> None:
+        """New weights, every cache of the previous ones dropped. `source`: a GGUF path (gguf_export.py), loaded into
+        a fresh model; or a RewrittenGGUF (gguf_inplace.py): when it names the file this engine maps (and no extra
+        buffer holds a copy of its weights), the model stays and its next decode reads the new bytes, else the
+        engine loads source.path. Raises TypeError for another source, EngineError when the file cannot load."""
+        if isinstance(source, RewrittenGGUF):
+            if self._model is not None and not self.extra_buffers and source.file_id == self._file_id:
+                for ctx in (self._sampler, self._greedy):
+                    if ctx is not None:
+                        ctx.reset()
+                self.version = version
+                return
+            source = source.path
         if not isinstance(source, (str, Path)):
             raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf_export.py)")
         self.close()
@@ -277,7 +256,7 @@ class LlamaCppEngine:
             for s, tok, lp in zip(live, ids.tolist(), lps.tolist()):
                 s.ids.append(tok)
                 s.logprobs.append(lp)
-                if _lib_is_eog(self._vocab, tok):
+                if is_eog(self._vocab, tok):
                     s.finish = "stop"
                 elif len(s.ids) >= limit(s):
                     s.finish = "length"
@@ -352,11 +331,11 @@ class LlamaCppEngine:
         return [float(transformed_log_softmax(row, sampling)[tok]) for row, tok in zip(rows, completion_ids)]
 
     def is_stop_token(self, token: int) -> bool:
-        return _lib_is_eog(self._vocab, token)
+        return is_eog(self._vocab, token)
 
     def stop_token_ids(self) -> frozenset[int]:
         """Every id this engine ends a response on (llama_vocab_is_eog over its vocabulary)."""
-        return _eog_ids(self._vocab)
+        return eog_ids(self._vocab)
 
     def _to_rollout(self, s: Seq) -> Rollout:
         return Rollout(
@@ -364,30 +343,3 @@ class LlamaCppEngine:
             completion_ids=s.ids, rollout_logprobs=list(s.logprobs), versions=[self.version] * len(s.ids),
             finish_reason=s.finish, extras={"prefill_reused": s.reused} if s.reused else {},  # type: ignore[arg-type]
         )
-
-
-def _lib_is_eog(vocab, token: int) -> bool:
-    return bool(_llama().llama_vocab_is_eog(vocab, token))
-
-
-def _eog_ids(vocab) -> frozenset[int]:
-    """llama_vocab_is_eog over the whole vocabulary of a loaded llama.cpp vocab."""
-    lib = _llama()
-    return frozenset(t for t in range(lib.llama_vocab_n_tokens(vocab)) if lib.llama_vocab_is_eog(vocab, t))
-
-
-def eog_token_ids(gguf_path: Path) -> frozenset[int]:
-    """Every token id llama.cpp ends a response on (llama_vocab_is_eog over the whole vocabulary) for the GGUF at
-    `gguf_path`, loaded vocabulary-only (a metadata-only GGUF from gguf_export.export_vocab_gguf will do). For
-    SmolLM2: {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}. Raises EngineError when llama.cpp cannot load it."""
-    lib = _llama()
-    params = lib.llama_model_default_params()
-    params.vocab_only = True
-    model = lib.llama_model_load_from_file(str(gguf_path).encode(), params)
-    if not model:
-        raise EngineError(f"llama.cpp could not load the vocabulary of {gguf_path}")
-    try:
-        vocab = lib.llama_model_get_vocab(model)
-        return _eog_ids(vocab)
-    finally:
-        lib.llama_model_free(model)

@@ -27,7 +27,7 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from nearpolicy.engines.base import DecodeCounts, EngineError, take_decode_counts
+from nearpolicy.engines.base import DecodeCounts, EngineError, RewrittenGGUF, take_decode_counts
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.signals import exit_description
 
@@ -146,9 +146,9 @@ class ProcessEngine:
         return self._stop_ids
 
     def update_weights(self, source, version: int) -> None:
-        if not isinstance(source, (str, Path)):
+        if not isinstance(source, (str, Path, RewrittenGGUF)):
             raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf_export.py)")
-        self._call("update_weights", str(source), version)
+        self._call("update_weights", source if isinstance(source, RewrittenGGUF) else str(source), version)
         self.version = version
 
     def close(self) -> None:
@@ -261,8 +261,7 @@ def serve(spec: EngineSpec, conn, log_path: str | None, probe_prompt: list[int] 
             if log_fd is not None:
                 _enable_faulthandler(log_fd)
             crash.on(method)
-            result = (engine.update_weights(Path(args[0]), *args[1:]) if method == "update_weights"
-                      else take_decode_counts(engine) if method == "take_decode_counts"
+            result = (take_decode_counts(engine) if method == "take_decode_counts"
                       else getattr(engine, method)(*args))
             conn.send(("ok", result))
         except Exception as err:  # noqa: BLE001 - the trainer re-raises it

@@ -1,0 +1,44 @@
+"""Threaded GGUF quantization (engines/gguf_quantize.py): the same bytes as gguf-py's single-threaded quantizer for
+every export precision, whatever the chunking and thread count."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from nearpolicy.engines import gguf_quantize
+from nearpolicy.engines.gguf_export import PRECISIONS, QTYPES
+
+
+def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    w[0] = 0.0  # an all-zero row: d = 0, id = 0
+    w[1, :32] = np.float32(0.5) * np.arange(32, dtype=np.float32)  # exact halves after scaling: the rounding ties
+    w[2] *= 1e4
+    return w
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threaded_quantization_gives_gguf_py_bytes(precision: str, threads: int, monkeypatch) -> None:
+    qtype = QTYPES[precision][0]
+    monkeypatch.setattr(gguf_quantize, "CHUNK_BLOCKS", 5)  # many chunks, the last one short
+    w = _weights(37, 64, seed=threads)
+    got = gguf_quantize.quantize(w, qtype, threads=threads)
+    want = gguf.quants.quantize(w, qtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_three_dimensional_weight_keeps_leading_dimensions() -> None:
+    w = np.random.default_rng(0).standard_normal((3, 5, 64)).astype(np.float32)
+    got = gguf_quantize.quantize(w, gguf.GGMLQuantizationType.Q8_0, threads=2)
+    assert got.shape == (3, 5, 2 * 34)
+    assert np.array_equal(got, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_row_length_not_a_multiple_of_the_block_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gguf_quantize.quantize(np.zeros((4, 48), np.float32), gguf.GGMLQuantizationType.Q4_1)
