@@ -1,5 +1,6 @@
 """Threaded GGUF quantization (engines/gguf_quantize.py): the same bytes as gguf-py's single-threaded quantizer for
-every export precision, whatever the chunking and thread count."""
+every export precision, through ggml's quantizer and through the gguf-py fallback, whatever the chunking and thread
+count."""
 
 from __future__ import annotations
 
@@ -20,11 +21,20 @@ def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
     return w
 
 
+@pytest.fixture(params=["ggml", "gguf-py"])
+def route(request, monkeypatch) -> str:
+    if request.param == "ggml":
+        assert gguf_quantize.ggml() is not None  # llama-cpp-python is a dependency: its ggml must load
+    else:
+        monkeypatch.setattr(gguf_quantize, "_ggml_lib", [None])
+        monkeypatch.setattr(gguf_quantize, "CHUNK_BLOCKS", 5)  # many chunks, the last one short
+    return request.param
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_threaded_quantization_gives_gguf_py_bytes(precision: str, threads: int, monkeypatch) -> None:
+def test_threaded_quantization_gives_gguf_py_bytes(precision: str, threads: int, route: str) -> None:
     qtype = QTYPES[precision][0]
-    monkeypatch.setattr(gguf_quantize, "CHUNK_BLOCKS", 5)  # many chunks, the last one short
     w = _weights(37, 64, seed=threads)
     got = gguf_quantize.quantize(w, qtype, threads=threads)
     want = gguf.quants.quantize(w, qtype)
@@ -32,7 +42,7 @@ def test_threaded_quantization_gives_gguf_py_bytes(precision: str, threads: int,
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
-def test_three_dimensional_weight_keeps_leading_dimensions() -> None:
+def test_three_dimensional_weight_keeps_leading_dimensions(route: str) -> None:
     w = np.random.default_rng(0).standard_normal((3, 5, 64)).astype(np.float32)
     got = gguf_quantize.quantize(w, gguf.GGMLQuantizationType.Q8_0, threads=2)
     assert got.shape == (3, 5, 2 * 34)
