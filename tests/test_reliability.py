@@ -109,6 +109,59 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_every_kind_of_non_finite_weight_stops_the_export(bad):
+    from nearpolicy.guards import check_finite_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    check_finite_weights(model, 1)  # finite: nothing raised
+    with torch.no_grad():
+        model[1].weight[1, 2] = bad
+    with pytest.raises(NonFiniteError, match=r"non-finite at step 2 \(1.weight\)"):
+        check_finite_weights(model, 2)
+
+
+@pytest.mark.parametrize("saved_fused,run_fused", [(True, False), (False, True)])
+def test_a_restored_optimizer_keeps_this_runs_implementation(saved_fused, run_fused):
+    """Fused AdamW leaves parameter version counters alone (the aligned trainer's weight cache keys on them), so a
+    resumed run keeps the implementation its own config chose, whatever the checkpoint's param_groups say; the
+    moments and step restore either way and the next step is the same."""
+    def make(fused):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 32)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+
+    model, opt = make(saved_fused)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 64)).square().sum().backward()
+        opt.step()
+    tensors, meta = runs._flatten_optimizer(opt)
+    tensors = {k: v.clone() for k, v in tensors.items()}  # as read back from disk: no tensor shared with `opt`
+    restored_model, restored = make(run_fused)
+    restored_model.load_state_dict(model.state_dict())
+    runs._restore_optimizer(restored, tensors, meta)
+    assert [g["fused"] for g in restored.param_groups] == [run_fused]
+    version = restored_model.weight._version
+    x = torch.randn(4, 64)
+    for m, o in ((model, opt), (restored_model, restored)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    assert torch.allclose(restored_model.weight, model.weight, rtol=0, atol=1e-6)
+    assert (restored_model.weight._version != version) == (not run_fused)
+
+
+def test_training_uses_fused_adamw_unless_the_trainer_is_aligned(tiny_model_dir, tmp_path):
+    from nearpolicy.setup import build_session
+
+    for alignment, fused in (("off", True), ("engine", False)):
+        cfg = load_config(None, [f"model.path='{tiny_model_dir}'", f"algorithm.precision_alignment={alignment}",
+                                 "task.train_size=20", "task.eval_size=4"])
+        session = build_session(cfg, tmp_path / alignment, lambda *_: None)
+        assert [g["fused"] for g in session.optimizer.param_groups] == [fused]
+
+
 _KILL_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch
     from pathlib import Path

@@ -62,10 +62,15 @@ class BadStepGuard:
         self.consecutive = int(saved.get("consecutive_bad_steps", 0))
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN / inf in `t`: max and min propagate NaN and reach +-inf (two reductions, no boolean copy of `t`)."""
+    return t.numel() == 0 or bool(torch.isfinite(t.amax()) & torch.isfinite(t.amin()))
+
+
 def check_finite_weights(model: torch.nn.Module, step: int) -> None:
     """Raises NonFiniteError naming the first parameters with NaN / inf (the weights are then neither exported to
     the engine nor checkpointed)."""
-    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p.detach()).all()]
+    bad = [name for name, p in model.named_parameters() if not _finite(p.detach())]
     if bad:
         raise NonFiniteError(f"weights became non-finite at step {step} ({', '.join(bad[:3])}"
                              f"{', ...' if len(bad) > 3 else ''}); they were not saved or sent to the engine")

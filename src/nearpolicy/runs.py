@@ -267,7 +267,10 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torc
     for name, value in tensors.items():
         pid, key = name.split(".", 1)
         state.setdefault(int(pid), {})[key] = value
+    implementation = [{k: group.get(k) for k in ("fused", "foreach")} for group in optimizer.param_groups]
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    for group, chosen in zip(optimizer.param_groups, implementation):  # this run's choice, not the saved one
+        group.update(chosen)
 
 
 # -- reading a run folder ----------------------------------------------------------------------------------------------

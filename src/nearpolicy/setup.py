@@ -96,7 +96,10 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
                               rounding=e.export_rounding, seed=cfg.run.seed)
         log(f"precision alignment: the trainer's forward emulates the {_engine_precision(e)} engine "
             f"({sum(p != 'f32' for p in aligned.precisions.values())} quantized modules, {e.kv_cache} KV cache)")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay)
+    # fused AdamW: one vectorized pass over the parameters (0.1 s vs 0.8 s per step for 135M on 2 cores). It leaves
+    # their version counters alone, which the aligned trainer's weight cache keys on: that one keeps torch's loop.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay,
+                                  fused=a.precision_alignment != "engine")
     template = resolved.path if resolved.kind == "gguf" else None
     engine_dir = run_dir / "engine"
     stop_ids = stop_token_ids(model, tokenizer, template, engine_dir)
