@@ -110,6 +110,23 @@ def test_an_engine_that_does_not_map_the_file_reloads_it(model, smollm2_gguf, tm
     fresh.close()
 
 
+def test_a_build_that_offloads_weights_reloads_on_a_rewrite(model, smollm2_gguf, tmp_path, monkeypatch):
+    """A GPU build of llama.cpp copies the weights off the mapped file: such an engine reloads instead."""
+    import llama_cpp
+
+    write = _writer(model, tmp_path, smollm2_gguf)
+    path = write()
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    engine = _engine(path)
+    loads = []
+    real_load = engine._load
+    monkeypatch.setattr(engine, "_load", lambda p: (loads.append(p), real_load(p)))
+    _perturb(model)
+    engine.update_weights(write(), 1)
+    assert loads == [path] and engine.version == 1
+    engine.close()
+
+
 def test_a_replaced_file_is_written_whole_again(model, smollm2_gguf, tmp_path):
     write = _writer(model, tmp_path, smollm2_gguf)
     path = write()

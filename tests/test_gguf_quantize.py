@@ -52,3 +52,45 @@ def test_three_dimensional_weight_keeps_leading_dimensions(route: str) -> None:
 def test_row_length_not_a_multiple_of_the_block_is_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         gguf_quantize.quantize(np.zeros((4, 48), np.float32), gguf.GGMLQuantizationType.Q4_1)
+
+
+def test_zero_rows_and_types_without_a_reference_quantizer(route: str) -> None:
+    empty = gguf_quantize.quantize(np.zeros((0, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    assert empty.shape == (0, 68) and empty.dtype == np.uint8
+    with pytest.raises(ValueError, match="no quantizer for I8"):  # ggml's own assert would abort the process
+        gguf_quantize.quantize(np.zeros((2, 64), np.float32), gguf.GGMLQuantizationType.I8)
+
+
+def test_a_forked_child_quantizes_on_its_own_threads() -> None:
+    """The thread pool does not survive a fork: a child that inherited it would wait forever on threads it lacks."""
+    import os
+    import signal
+
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    gguf_quantize.quantize(w, gguf.GGMLQuantizationType.Q8_0, threads=2)  # the pool exists in the parent
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        signal.alarm(20)
+        ok = np.array_equal(gguf_quantize.quantize(w, gguf.GGMLQuantizationType.Q8_0, threads=2),
+                            gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_llama_cpp_that_cannot_load_leaves_the_gguf_py_route(monkeypatch) -> None:
+    import sys
+    import types
+
+    broken = types.ModuleType("llama_cpp")
+
+    def fail(name):
+        raise RuntimeError("Failed to load shared library 'libllama.so'")
+
+    broken.__getattr__ = fail  # as llama_cpp raises when its library cannot load
+    monkeypatch.setitem(sys.modules, "llama_cpp", broken)
+    monkeypatch.setattr(gguf_quantize, "_ggml_lib", [])
+    w = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    assert gguf_quantize.ggml() is None
+    assert np.array_equal(gguf_quantize.quantize(w, gguf.GGMLQuantizationType.Q4_1),
+                          gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1))

@@ -104,10 +104,11 @@ class EngineGGUF:
 
     def __call__(self) -> Path | RewrittenGGUF:
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
-        tensors = {name: (array, qtype) for name, array, qtype in convert_state(
-            state, self.model.config, self.precision, None, self.tensor_precision, self.rounding, self.seed)}
-        if not self._can_rewrite(tensors):
-            return self._write_whole(state, tensors)
+        if not self.in_place or self.slots is None or not self.path.is_file() or file_id(self.path) != self.file_id:
+            return self._write_whole(state)
+        tensors = self._convert(state)
+        if not self._fits(tensors):
+            return self._write_whole(state)
         try:
             rewrite(self.path, self.slots, tensors)
         except BaseException as err:
@@ -119,13 +120,15 @@ class EngineGGUF:
             raise
         return RewrittenGGUF(str(self.path), self.file_id)
 
-    def _can_rewrite(self, tensors: Tensors) -> bool:
-        if self.slots is None or not self.path.is_file() or file_id(self.path) != self.file_id:
-            return False
+    def _convert(self, state: dict) -> Tensors:
+        return {name: (array, qtype) for name, array, qtype in convert_state(
+            state, self.model.config, self.precision, None, self.tensor_precision, self.rounding, self.seed)}
+
+    def _fits(self, tensors: Tensors) -> bool:
         return set(tensors) == set(self.slots) and all(
             (a.nbytes, q) == (self.slots[n].nbytes, self.slots[n].qtype) for n, (a, q) in tensors.items())
 
-    def _write_whole(self, state: dict, tensors: Tensors) -> Path:
+    def _write_whole(self, state: dict) -> Path:
         self.slots = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -136,7 +139,8 @@ class EngineGGUF:
             name = self.path.name
             kept = f"the previous {name} is unchanged" if self.path.exists() else f"{name} was not created"
             raise OSError(err.errno, f"could not write the engine GGUF {self.path} ({err.strerror or err}); {kept}") from err
-        if self.in_place:
+        if self.in_place:  # the layout of the file just written, checked against its bytes (a second conversion)
+            tensors = self._convert(state)
             slots = data_slots(list(report.tensor_types), tensors, report.bytes)
             if holds(self.path, slots, tensors):
                 self.slots, self.file_id = slots, file_id(self.path)

@@ -3,8 +3,9 @@
 The quantizer is ggml's own (`ggml_quantize_chunk` in the libggml-base that llama-cpp-python ships, the library the
 engine decodes with), called on row ranges from a thread pool: ctypes releases the GIL, so the ranges run in
 parallel. Without llama-cpp-python it is gguf-py's row quantizer over chunks of rows (numpy releases the GIL inside
-each chunk's array operations). Both are bit-exact with ggml-quants.c's reference quantizers (tests). Measured on
-SmolLM2-135M's weights at q8_0, 2 threads: gguf-py 1.5 s, chunked gguf-py 0.73 s, ggml 0.39-0.48 s."""
+each chunk's array operations). For finite inputs both give gguf-py's bytes (tests; they differ only where a block
+holds a NaN, and in the sign of a zero q4_0 / q5_0 scale of an all -0.0 block, which dequantizes to 0 either way).
+Measured on SmolLM2-135M's weights at q8_0, 2 threads: gguf-py 1.5 s, chunked gguf-py 0.73 s, ggml 0.39-0.48 s."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ import gguf
 import numpy as np
 
 CHUNK_BLOCKS = 4096  # gguf-py fallback: quantization blocks per task, enough that numpy, not Python, holds a thread
-_UNQUANTIZED = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+_Q = gguf.GGMLQuantizationType
+_UNQUANTIZED = {_Q.F32, _Q.F16}
+_GGML_TYPES = {_Q.BF16, _Q.Q8_0, _Q.Q5_0, _Q.Q5_1, _Q.Q4_0, _Q.Q4_1, _Q.MXFP4}  # checked against gguf-py (tests)
 _pools: dict[int, ThreadPoolExecutor] = {}
+if hasattr(os, "register_at_fork"):  # a forked child inherits the pools but not their threads
+    os.register_at_fork(after_in_child=_pools.clear)
 _ggml_lib: list = []  # [the loaded libggml-base, or None when llama-cpp-python is missing]
 
 
@@ -34,14 +39,12 @@ def ggml():
             import llama_cpp
 
             lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-        except (ImportError, OSError):
+        except Exception:  # noqa: BLE001 - llama_cpp raises RuntimeError when its own library cannot load
             lib = None
         if lib is not None:
             lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
             lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-            lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
-            lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
             lib.ggml_quantize_init.argtypes = [ctypes.c_int]
         _ggml_lib.append(lib)
     return _ggml_lib[0]
@@ -53,7 +56,7 @@ def quantize(weight: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int 
 
     weight: float32 [..., n]; returns float32 / float16 arrays for F32 / F16 (unchanged shape), else uint8
     [..., n / block_size * type_size]. Raises ValueError when n is not a multiple of the type's block size, or
-    for a type neither ggml nor gguf-py can quantize without an importance matrix."""
+    for a type gguf-py cannot quantize."""
     if qtype in _UNQUANTIZED:
         return gguf.quants.quantize(weight, qtype)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -62,8 +65,10 @@ def quantize(weight: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int 
                          f"must be a multiple of {block}")
     rows = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, weight.shape[-1])
     out = np.empty((rows.shape[0], weight.shape[-1] // block * type_size), dtype=np.uint8)
-    lib = ggml()
-    if lib is not None and not lib.ggml_quantize_requires_imatrix(int(qtype)):
+    lib = ggml() if qtype in _GGML_TYPES else None
+    if rows.shape[0] == 0:
+        pass
+    elif lib is not None:
         lib.ggml_quantize_init(int(qtype))
         _in_parallel(_ggml_rows(lib, qtype, rows, out), rows.shape[0], -(-rows.shape[0] // 8), threads)
     else:

@@ -113,6 +113,8 @@ class LlamaCppEngine:
         self._greedy: KVContext | None = None  # one stream per sequence, made on the first greedy call
         self.threads_used = self.threads  # a new context starts at the configured count
         self.path, self._file_id = path, loaded_file
+        # the weights are the mapped file's pages only on the CPU backend without extra buffers (GPU builds copy them)
+        self._reads_the_file = not self.extra_buffers and not lib.llama_supports_gpu_offload()
 
     def _context(self, n_seq: int, cells_per_seq: int, unified: bool) -> KVContext:
         return KVContext(load_lib(), self._model, self.n_vocab, n_seq=n_seq, cells_per_seq=cells_per_seq,
@@ -133,7 +135,7 @@ class LlamaCppEngine:
         buffer holds a copy of its weights), the model stays and its next decode reads the new bytes, else the
         engine loads source.path. Raises TypeError for another source, EngineError when the file cannot load."""
         if isinstance(source, RewrittenGGUF):
-            if self._model is not None and not self.extra_buffers and source.file_id == self._file_id:
+            if self._model is not None and self._reads_the_file and source.file_id == self._file_id:
                 for ctx in (self._sampler, self._greedy):
                     if ctx is not None:
                         ctx.reset()
