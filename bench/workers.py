@@ -150,8 +150,10 @@ def _time_forward(runner) -> list:
     a run is sampling, log-prob extraction and bookkeeping in Python / numpy / torch."""
     acc = [0.0, "", {}]
     engine = getattr(runner, "engine", None)
-    if engine is not None and hasattr(engine, "_decode"):
-        obj, attr, acc[1] = engine, "_decode", "llama_decode (llama.cpp forward, logits copy)"
+    if engine is not None and hasattr(engine, "_sampler"):  # llama.cpp: every decode call is a KVContext.decode
+        from nearpolicy.engines.llama_context import KVContext
+
+        obj, attr, acc[1] = KVContext, "decode", "llama_decode (llama.cpp forward, logits copy)"
     else:
         obj = engine.model if engine is not None else runner.model
         attr, acc[1] = "forward", "torch model forward"
@@ -164,7 +166,7 @@ def _time_forward(runner) -> list:
         finally:
             dt = time.perf_counter() - t0
             acc[0] += dt
-            entries = a[0] if a and isinstance(a[0], list) else None
+            entries = next((x for x in a if isinstance(x, list)), None)  # (self, entries) on the class
             if entries is not None and len({seq for _, _, seq, _ in entries}) == len(entries):  # one token per sequence
                 calls = acc[2].setdefault(len(entries), [0, 0.0])
                 calls[0] += 1
