@@ -47,7 +47,7 @@ def test_a_new_run_needs_a_folder_without_a_run(tmp_path):
         check_run_folder(cfg, resume=False)
     save_small_checkpoint(run, 2)
     with pytest.raises(RunExistsError, match=rf"already holds a run \(last checkpoint step_000002\); continue it with "
-                                             rf"--resume \(nearpolicy train --resume {run}; for the main job "
+                                             rf"--resume \([^;]*nearpolicy train --resume {run}; for the main job "
                                              rf"`make train ARGS=--resume`\)"):
         check_run_folder(cfg, resume=False)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from nearpolicy.config import Config, ConfigError, config_from_data, parse_override
 from nearpolicy.runs import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_step, is_finite_number,
                              list_checkpoints, read_json_object, read_metrics)
+from nearpolicy.signals import resume_command
 from nearpolicy.tasks.identity import data_changes, data_identity
 
 # May change on --resume: none of them changes what a step computes.
@@ -142,7 +143,7 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
         return _resume_check(run_dir, cfg, data, checkpoints)
     if checkpoints:
         raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
-                             f"with --resume (nearpolicy train --resume {run_dir}; for the main job `make train "
+                             f"with --resume ({resume_command(run_dir)}; for the main job `make train "
                              f"ARGS=--resume`) or set a new run.name")
     try:
         logged = _last_logged_step(run_dir)
