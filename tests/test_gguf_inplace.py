@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from nearpolicy.engines import gguf_inplace
+from nearpolicy.engines import gguf_export, gguf_inplace
 from nearpolicy.engines.base import RewrittenGGUF, file_id
 from nearpolicy.engines.gguf_export import export_gguf
 from nearpolicy.engines.gguf_inplace import EngineGGUF
@@ -226,7 +226,7 @@ def test_a_failed_whole_write_keeps_the_previous_file(model, smollm2_gguf, tmp_p
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(gguf_inplace, "export_gguf", full)
+    monkeypatch.setattr(gguf_export, "export_gguf", full)
     _perturb(model)
     with pytest.raises(OSError, match="No space left on device.*; the previous policy-q8_0.gguf is unchanged"):
         write()

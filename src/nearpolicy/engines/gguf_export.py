@@ -133,19 +133,26 @@ def convert_state(state_dict: dict[str, torch.Tensor], config: Any, precision: s
 
 def export_model_gguf(model: torch.nn.Module, folder: Path, precision: str, tensor_precision: PrecisionMap,
                       template_gguf: Path | None, tokenizer: Any, rounding: str = "nearest", seed: int = 0) -> Path:
-    """Write `model`'s current weights as `folder`/policy-<precision>.gguf (`export_gguf` with `tensor_precision`
-    overrides, `rounding` seeded by `seed`) and return its path. Raises OSError naming the file when it cannot be written (the file an engine
-    holds is untouched: the write is atomic), else what `export_gguf` raises."""
+    """Write `model`'s current weights as `folder`/policy-<precision>.gguf (`export_model_report`) and return its
+    path."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"policy-{precision}.gguf"
+    return export_model_report(model, path, precision, tensor_precision, template_gguf, tokenizer, rounding, seed).path
+
+
+def export_model_report(model: torch.nn.Module, path: Path, precision: str, tensor_precision: PrecisionMap,
+                        template_gguf: Path | None, tokenizer: Any, rounding: str = "nearest",
+                        seed: int = 0) -> ExportReport:
+    """Write `model`'s current weights to `path` (`export_gguf` with `tensor_precision` overrides, `rounding` seeded
+    by `seed`). Raises OSError naming the file when it cannot be written (the file an engine holds is untouched:
+    the write is atomic), else what `export_gguf` raises."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     try:
-        export_gguf(state, model.config, path, precision, template_gguf, tokenizer=tokenizer,
-                    tensor_precision=tuple(tensor_precision), rounding=rounding, rounding_seed=seed)
+        return export_gguf(state, model.config, path, precision, template_gguf, tokenizer=tokenizer,
+                           tensor_precision=tuple(tensor_precision), rounding=rounding, rounding_seed=seed)
     except OSError as err:
         kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not created"
         raise OSError(err.errno, f"could not write the engine GGUF {path} ({err.strerror or err}); {kept}") from err
-    return path
 
 
 def export_vocab_gguf(config: Any, out_path: Path, template_gguf: Path | None, tokenizer: Any = None) -> Path:

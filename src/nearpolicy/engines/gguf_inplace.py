@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from nearpolicy.engines.base import RewrittenGGUF, file_id
-from nearpolicy.engines.gguf_export import convert_state, export_gguf
+from nearpolicy.engines.gguf_export import convert_state, export_model_report
 from nearpolicy.engines.precision_map import PrecisionMap
 
 
@@ -63,15 +63,22 @@ def holds(path: Path, slots: dict[str, TensorSlot], tensors: Tensors) -> bool:
     return True
 
 
-def rewrite(path: Path, slots: dict[str, TensorSlot], tensors: Tensors) -> None:
-    """Write `tensors` over their `slots` in the file at `path`. Raises ValueError, before writing anything, when
-    the tensors' names, types or sizes differ from the slots; OSError from the writes."""
+def misfit(slots: dict[str, TensorSlot], tensors: Tensors) -> str | None:
+    """Why `tensors` cannot be written over `slots` (other names, or a tensor of another type or size), or None."""
     if set(tensors) != set(slots):
-        raise ValueError("the tensors to rewrite are not the file's tensors")
+        return "the tensors to rewrite are not the file's tensors"
     for name, (array, qtype) in tensors.items():
         if (array.nbytes, qtype) != (slots[name].nbytes, slots[name].qtype):
-            raise ValueError(f"{name}: {qtype.name}, {array.nbytes} bytes does not fit the file's "
-                             f"{slots[name].qtype.name}, {slots[name].nbytes} bytes")
+            return (f"{name}: {qtype.name}, {array.nbytes} bytes does not fit the file's "
+                    f"{slots[name].qtype.name}, {slots[name].nbytes} bytes")
+    return None
+
+
+def rewrite(path: Path, slots: dict[str, TensorSlot], tensors: Tensors) -> None:
+    """Write `tensors` over their `slots` in the file at `path`. Raises ValueError (`misfit`'s reason), before writing
+    anything, when they do not fit; OSError from the writes."""
+    if reason := misfit(slots, tensors):
+        raise ValueError(reason)
     fd = os.open(path, os.O_WRONLY)
     try:
         for name, (array, _) in tensors.items():
@@ -107,7 +114,7 @@ class EngineGGUF:
         if not self.in_place or self.slots is None or not self.path.is_file() or file_id(self.path) != self.file_id:
             return self._write_whole(state)
         tensors = self._convert(state)
-        if not self._fits(tensors):
+        if misfit(self.slots, tensors):
             return self._write_whole(state)
         try:
             rewrite(self.path, self.slots, tensors)
@@ -124,21 +131,11 @@ class EngineGGUF:
         return {name: (array, qtype) for name, array, qtype in convert_state(
             state, self.model.config, self.precision, None, self.tensor_precision, self.rounding, self.seed)}
 
-    def _fits(self, tensors: Tensors) -> bool:
-        return set(tensors) == set(self.slots) and all(
-            (a.nbytes, q) == (self.slots[n].nbytes, self.slots[n].qtype) for n, (a, q) in tensors.items())
-
     def _write_whole(self, state: dict) -> Path:
         self.slots = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            report = export_gguf(state, self.model.config, self.path, self.precision, self.template_gguf,
-                                 tokenizer=self.tokenizer, tensor_precision=self.tensor_precision,
-                                 rounding=self.rounding, rounding_seed=self.seed)
-        except OSError as err:
-            name = self.path.name
-            kept = f"the previous {name} is unchanged" if self.path.exists() else f"{name} was not created"
-            raise OSError(err.errno, f"could not write the engine GGUF {self.path} ({err.strerror or err}); {kept}") from err
+        report = export_model_report(self.model, self.path, self.precision, self.tensor_precision, self.template_gguf,
+                                     self.tokenizer, self.rounding, self.seed)
         if self.in_place:  # the layout of the file just written, checked against its bytes (a second conversion)
             tensors = self._convert(state)
             slots = data_slots(list(report.tensor_types), tensors, report.bytes)
