@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from nearpolicy.allocator import reuse_freed_memory
 from nearpolicy.config import Config, EngineConfig
 from nearpolicy.guards import check_task_prompts
 from nearpolicy.models import chat_prompt_ids, pad_token_id, stop_token_ids
@@ -76,6 +77,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     from nearpolicy.models import load_policy, resolve_model
 
     torch.set_num_threads(cfg.run.threads)
+    reuse_freed_memory(cfg.run.reuse_freed_memory)
     resolved = resolve_model(cfg.model.path)
     task = build_task(cfg)
     log(describe_task(task))

@@ -15,7 +15,7 @@ import torch
 
 from nearpolicy.batching import TokenBatch
 from nearpolicy.ops.corrections import CorrectionSpec, correct, correction_log_ratio, mismatch_correction, mismatch_log_ratio
-from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
+from nearpolicy.ops.losses import ADVANTAGE_PROPORTIONAL_LOSSES, PolicyLossInput, PolicyLossParams, policy_loss
 from nearpolicy.ops.masked import aggregation_denominator
 from nearpolicy.ops.proximal import ais_lambda, discrepancy_center, proximal_logprobs
 from nearpolicy.ops.observation_loss import observation_loss
@@ -110,9 +110,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     mini-batches of this update. A mini-batch whose gradient is not finite is skipped (optimizer not stepped) and counted."""
     n = len(batch)
     size, fused, entropy, normalizer = n // settings.minibatches, old_logprobs is None, None, None
-    if fused and not settings.fusable:
-        raise ValueError("old_logprobs can only be fused into the update with a single mini-batch, one epoch and no "
-                         "batch statistics")
+    _check_fusable(fused, settings)
     current = torch.zeros(batch.mask.shape)
     if fused:
         old_logprobs, entropy = torch.zeros(batch.mask.shape), torch.zeros(batch.mask.shape)
@@ -122,8 +120,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         first = proximal_logprobs(settings.proximal, "decoupled", old_logprobs, old_logprobs, batch.rollout_logprobs,
                                   batch.has_rollout, batch.versions, version, ewma_logprobs)
         center, spec, totals, normalizer = batch_correction(batch, first, settings, loss_mask)
-    rollout = batch.rollout_logprobs + center
-    skipped, entropy_grad = 0, settings.loss_params.entropy_coef > 0
+    rollout, skipped, entropy_grad = batch.rollout_logprobs + center, 0, settings.loss_params.entropy_coef > 0
+    inert = inert_rows(advantages, loss_mask, settings, ref_model is not None)
     for start in [first for _ in range(settings.epochs) for first in range(0, n, size)]:
         rows = slice(start, start + size)
         mini_mask = loss_mask[rows]
@@ -135,7 +133,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             part = slice(m0, min(m0 + settings.micro_batch_size, start + size))
             micro = batch.select(part)
             logprobs, micro_entropy, echo = _forward(model, micro, sampling, entropy_grad, settings,
-                                                     batch.observation_mask, rows)
+                                                     batch.observation_mask, rows, inert[part])
             current[part] = logprobs.detach()
             if fused:
                 old_logprobs[part], entropy[part] = logprobs.detach(), micro_entropy.detach()
@@ -153,7 +151,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             )
             if echo is not None:
                 loss, metrics = loss + settings.observation_loss_coef * echo, {**metrics, "observation_loss": echo.detach()}
-            loss.backward()
+            if loss.requires_grad:  # False only when every row of the micro-batch is inert
+                loss.backward()
             share = loss_mask[part].sum() / tokens
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 sums[key] = sums.get(key, 0) + value
@@ -169,9 +168,15 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         optimizer.zero_grad(set_to_none=True)
         for key, value in {**sums, "grad_norm": grad_norm}.items():
             totals[key] = totals.get(key, 0.0) + float(value) / settings.optimizer_steps
-    totals["skipped_minibatches"] = float(skipped)
+    totals["skipped_minibatches"], totals["inert_rows"] = float(skipped), float(inert.float().mean())
     metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in totals.items()}
     return UpdateResult(metrics, old_logprobs, current, entropy)
+
+
+def _check_fusable(fused: bool, settings: UpdateSettings) -> None:
+    if fused and not settings.fusable:
+        raise ValueError("old_logprobs can only be fused into the update with a single mini-batch, one epoch and no "
+                         "batch statistics")
 
 
 @torch.no_grad()
@@ -179,13 +184,51 @@ def _reference_logprobs(ref_model: torch.nn.Module, micro: TokenBatch, sampling:
     return sequence_logprobs(ref_model, micro, sampling)[0]
 
 
+def inert_rows(advantages: torch.Tensor, loss_mask: torch.Tensor, settings: UpdateSettings,
+               has_reference: bool) -> torch.Tensor:
+    """[B] bool: rows whose gradient is exactly 0, run forward only (no backward) by the update. A row is inert when
+    its advantage is 0 (or it has no loss token) everywhere, the loss is in ops/losses.ADVANTAGE_PROPORTIONAL_LOSSES,
+    and no term outside the advantage reaches it: no KL reference, no entropy bonus, no observation loss. GRPO's
+    constant-reward groups are such rows: their log-probs are still computed (the mismatch metrics need them), at
+    the cost of a forward instead of a forward and a backward. In a mini-batch of inert rows only, the first
+    micro-batch keeps its backward, so every parameter gets the zero gradient (AdamW's momentum and weight decay
+    still step) exactly as without skipping. advantages [B] or [B, T]; loss_mask [B, T] bool."""
+    rows, micro = loss_mask.shape[0], settings.micro_batch_size
+    if (has_reference or settings.loss_params.entropy_coef > 0 or settings.observation_loss_coef > 0
+            or settings.loss not in ADVANTAGE_PROPORTIONAL_LOSSES):
+        return torch.zeros(rows, dtype=torch.bool)
+    adv = advantages.unsqueeze(-1).expand_as(loss_mask) if advantages.dim() == 1 else advantages
+    inert = ~((adv != 0) & loss_mask).any(1)  # NaN != 0: a NaN advantage keeps its row (and its NaN) in the backward
+    size = rows // settings.minibatches
+    for start in range(0, rows, size):
+        if bool(inert[start:start + size].all()):
+            inert[start:start + min(micro, size)] = False
+    return inert
+
+
 def _forward(model: torch.nn.Module, micro: TokenBatch, sampling: SamplingParams, entropy_grad: bool,
-             settings: UpdateSettings, observation_mask: torch.Tensor | None, rows: slice):
+             settings: UpdateSettings, observation_mask: torch.Tensor | None, rows: slice, inert: torch.Tensor):
     """(logprobs [b, T], entropy [b, T], ECHO's observation loss of the micro-batch or None): with
     settings.observation_loss_coef > 0 and observation tokens in the batch, the raw log-probs of the same forward
     give the cross-entropy of the micro-batch's observation tokens over the mini-batch `rows`' count (so the
-    micro-batches' parts sum to the mini-batch's token mean; ops/observation_loss.py, ECHO arXiv:2605.24517)."""
+    micro-batches' parts sum to the mini-batch's token mean; ops/observation_loss.py, ECHO arXiv:2605.24517).
+    The `inert` rows [b] bool (inert_rows) run without grad; their log-probs are detached."""
     if settings.observation_loss_coef <= 0 or observation_mask is None or not bool(observation_mask[rows].any()):
-        return (*sequence_logprobs(model, micro, sampling, entropy_grad), None)
+        if not bool(inert.any()):
+            return (*sequence_logprobs(model, micro, sampling, entropy_grad), None)
+        return (*_forward_skipping_inert(model, micro, sampling, inert), None)
     logprobs, entropy, raw = sequence_logprobs_with_raw(model, micro, sampling, entropy_grad)
     return logprobs, entropy, observation_loss(raw, micro.observation_mask, observation_mask[rows].sum())
+
+
+def _forward_skipping_inert(model: torch.nn.Module, micro: TokenBatch, sampling: SamplingParams,
+                            inert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sequence_logprobs of the micro-batch, the inert rows [b] bool run under no_grad (values equal to float32
+    rounding: the two row sets may be packed differently)."""
+    active, idle = (~inert).nonzero().squeeze(1), inert.nonzero().squeeze(1)
+    parts = [sequence_logprobs(model, micro.select(active), sampling)] if len(active) else []
+    with torch.no_grad():
+        parts.append(sequence_logprobs(model, micro.select(idle), sampling))
+    order = torch.argsort(torch.cat([active, idle]))
+    return torch.cat([p[0] for p in parts])[order], torch.cat([p[1] for p in parts])[order]
+

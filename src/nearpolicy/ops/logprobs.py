@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from nearpolicy.ops.fused_logprobs import fused_logprobs_and_entropy
+
 
 def kept_set(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
     """Bool mask [..., V] of the tokens top-k / top-p keep; None when both are disabled. No grad."""
@@ -61,7 +63,10 @@ def token_logprobs_and_entropy(
 
     logits [B, T, V] float32, token_ids [B, T] int64 -> (logprobs [B, T] with grad, entropy [B, T], nats). The
     entropy is detached unless `entropy_grad` (the entropy bonus, config algorithm.entropy_coef, needs its grad).
+    Without top-k / top-p it runs ops/fused_logprobs.py (same values, fewer vocabulary-wide passes).
     """
+    if (top_k <= 0 or top_k >= logits.shape[-1]) and top_p >= 1.0:
+        return fused_logprobs_and_entropy(logits, token_ids, temperature, entropy_grad)
     logp = transformed_log_softmax(logits, temperature, top_k, top_p, always_keep=token_ids)
     picked = torch.gather(logp, -1, token_ids.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
