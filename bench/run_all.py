@@ -129,6 +129,8 @@ class Harness:
         kept = steps[1:] if len(steps) > 1 else steps
         times = step_times(rows)
         return {"step_s": times, "peak_rss_kib": rss,
+                "batch": {"response_tokens": [r.get("response/length_mean", float("nan")) for r in kept],
+                          "zero_advantage_rows": [r.get("actor/inert_rows", float("nan")) for r in kept]},
                 "phases": {k: [r.get(f"time/{k}", 0.0) for r in kept] for k in ("rollout", "recompute", "update", "sync", "diagnostics")},
                 "diagnostics_fraction": [r.get("time/diagnostics", 0.0) / t for r, t in zip(kept, times)]}
 
@@ -141,7 +143,8 @@ class Harness:
             return None
         times = r["step_s_runs"]
         self.trl_version = r["trl"]
-        return {"step_s": times[1:] if len(times) > 1 else times, "peak_rss_kib": r["peak_rss_kib"]}
+        batch = {k: v[1:] if len(v) > 1 else v for k, v in r.get("batch", {}).items() if v}
+        return {"step_s": times[1:] if len(times) > 1 else times, "peak_rss_kib": r["peak_rss_kib"], "batch": batch}
 
     def grpo(self) -> dict:
         """Repeats interleaved (nearpolicy, nearpolicy without diagnostics, TRL) so drift hits all alike; each run's
@@ -162,6 +165,8 @@ class Harness:
                 continue
             out[name] = {"step_s": summarize([mean(r["step_s"]) for r in rs]),
                          "peak_rss_kib": max(r["peak_rss_kib"] for r in rs)}
+            if rs[0].get("batch"):
+                out[name]["batch"] = {k: summarize([mean(r["batch"][k]) for r in rs]) for k in rs[0]["batch"]}
             if "phases" in rs[0]:
                 out[name]["phases"] = {k: summarize([mean(r["phases"][k]) for r in rs]) for k in rs[0]["phases"]}
                 out[name]["diagnostics_fraction"] = summarize([mean(r["diagnostics_fraction"]) for r in rs])

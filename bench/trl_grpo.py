@@ -85,7 +85,10 @@ def main() -> None:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
                               processing_class=tokenizer, callbacks=[StepTimer()])
         trainer.train()
-    args.out.write_text(json.dumps({"step_s_runs": times, "trl": trl.__version__}) + "\n")
+        logged = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    batch = {"response_tokens": [h["completions/mean_length"] for h in logged],
+             "zero_advantage_rows": [h.get("frac_reward_zero_std", float("nan")) for h in logged]}
+    args.out.write_text(json.dumps({"step_s_runs": times, "batch": batch, "trl": trl.__version__}) + "\n")
 
 
 if __name__ == "__main__":
