@@ -6,8 +6,8 @@ the shipped GGUF), the same chain_sum training problems in the same order (nearp
 the same chat-templated prompts (system prompt + question), the same reward (nearpolicy's task scorer), G,
 prompts per step, micro-batch (per_device_train_batch_size; gradient accumulation = prompts x G / micro-batch,
 one generation batch per optimizer step), max new tokens, temperature 1, lr, AdamW betas and weight decay,
-gradient clipping, clip epsilon 0.2 / 0.28, beta 0 (no reference model), constant learning rate. Generation
-is transformers `generate` (use_vllm=False) on the CPU. A step is timed from on_step_begin to on_step_end.
+gradient clipping, clip epsilon 0.2 / 0.28, beta 0 (no reference model), constant learning rate, the same stop
+ids (nearpolicy's end-of-generation set). Generation is transformers `generate` (use_vllm=False) on the CPU. A step is timed from on_step_begin to on_step_end.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from nearpolicy.config import load_config
+    from nearpolicy.models import stop_token_ids
     from nearpolicy.setup import build_task
     from nearpolicy.tasks import safe_score
 
@@ -58,6 +59,10 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    # nearpolicy's stop set (llama.cpp's end-of-generation ids, SmolLM2: {0, 2, 4}): TRL stops at the generation
+    # config's eos ids plus the tokenizer's eos, which for this export is 2 only, and would run on past the others
+    with tempfile.TemporaryDirectory() as vocab_dir:
+        model.generation_config.eos_token_id = sorted(stop_token_ids(model, tokenizer, None, Path(vocab_dir)))
     samples = args.prompts * args.group
     if samples % args.micro_batch:
         raise SystemExit(f"prompts x G = {samples} must be a multiple of the micro-batch {args.micro_batch}")
@@ -88,7 +93,8 @@ def main() -> None:
         logged = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     batch = {"response_tokens": [h["completions/mean_length"] for h in logged],
              "zero_advantage_rows": [h.get("frac_reward_zero_std", float("nan")) for h in logged]}
-    args.out.write_text(json.dumps({"step_s_runs": times, "batch": batch, "trl": trl.__version__}) + "\n")
+    args.out.write_text(json.dumps({"step_s_runs": times, "batch": batch, "trl": trl.__version__,
+                                    "eos_token_ids": model.generation_config.eos_token_id}) + "\n")
 
 
 if __name__ == "__main__":
