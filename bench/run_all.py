@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -125,6 +126,8 @@ class Harness:
             self.failures.append(f"{shlex.join(cmd)} exited {rc} (log: {self.log})")
             return None
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        for bulk in ("checkpoints", "engine"):  # ~1.7 GB a run; nine runs per full bench filled the disk once
+            shutil.rmtree(self.tmp / name / bulk, ignore_errors=True)
         steps = [r for r in rows if r.get("step", 0) >= 1]
         kept = steps[1:] if len(steps) > 1 else steps
         times = step_times(rows)
