@@ -131,12 +131,17 @@ def convert_state(state_dict: dict[str, torch.Tensor], config: Any, precision: s
     return tensors
 
 
+def policy_gguf_name(precision: str) -> str:
+    """The file name of the policy's GGUF at `precision` in an engine or export folder."""
+    return f"policy-{precision}.gguf"
+
+
 def export_model_gguf(model: torch.nn.Module, folder: Path, precision: str, tensor_precision: PrecisionMap,
                       template_gguf: Path | None, tokenizer: Any, rounding: str = "nearest", seed: int = 0) -> Path:
     """Write `model`'s current weights as `folder`/policy-<precision>.gguf (`export_model_report`) and return its
     path."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"policy-{precision}.gguf"
+    path = folder / policy_gguf_name(precision)
     return export_model_report(model, path, precision, tensor_precision, template_gguf, tokenizer, rounding, seed).path
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from nearpolicy.engines.base import RewrittenGGUF, file_id
-from nearpolicy.engines.gguf_export import convert_state, export_model_report
+from nearpolicy.engines.gguf_export import convert_state, export_model_report, policy_gguf_name
 from nearpolicy.engines.precision_map import PrecisionMap
 
 
@@ -101,7 +101,7 @@ class EngineGGUF:
     def __init__(self, model: torch.nn.Module, folder: Path, precision: str, tensor_precision: PrecisionMap,
                  template_gguf: Path | None, tokenizer: Any, rounding: str = "nearest", seed: int = 0,
                  log: Callable[[str], None] = print):
-        self.model, self.path = model, Path(folder) / f"policy-{precision}.gguf"
+        self.model, self.path = model, Path(folder) / policy_gguf_name(precision)
         self.precision, self.tensor_precision = precision, tuple(tensor_precision)
         self.template_gguf, self.tokenizer, self.rounding, self.seed, self.log = (
             template_gguf, tokenizer, rounding, seed, log)
