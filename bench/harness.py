@@ -159,11 +159,13 @@ def render_markdown(res: dict, d: dict, command: str, notes: str = "", raw: str 
                          fmt(ph.get("sync"), 2), fmt(b.get("response_tokens"), 1),
                          fmt(b.get("zero_advantage_rows"), 2), fmt_mib(g.get("peak_rss_kib"))])
         lines += [md_table(["system", "s / step", "rollout s", "update s", "weight sync s", "response tokens",
-                            "zero-advantage share", "peak RSS MiB"], rows), "",
+                            "forward-only rows / constant groups", "peak RSS MiB"], rows), "",
                   "Response tokens: mean completion length per step (each system samples its own, so the work per "
-                  "step differs). Zero-advantage share: nearpolicy's `actor/inert_rows`, the rows its update ran "
-                  "forward only because their gradient is exactly 0 (update.inert_rows); TRL's "
-                  "`frac_reward_zero_std`, the groups of constant reward, whose rows it runs forward and backward.", ""]
+                  "step differs). Forward-only rows / constant groups: for nearpolicy `actor/inert_rows`, the share "
+                  "of rows its update ran forward only because their gradient is exactly 0 (update.inert_rows: "
+                  "zero advantage or no loss token; a mini-batch of such rows keeps one micro-batch's backward); for "
+                  "TRL `frac_reward_zero_std`, the share of groups of constant reward, whose rows it runs forward and "
+                  "backward. Related, not the same quantity.", ""]
         if "grpo_step_ratio" in d:
             r = d["grpo_step_ratio"]
             lines += [f"nearpolicy / TRL step time: **{r['median']:.2f}** ({r['min']:.2f}-{r['max']:.2f}).", ""]

@@ -92,3 +92,40 @@ def test_the_trainer_entry_point_uses_it_only_without_top_k_and_top_p(monkeypatc
     assert torch.allclose(fused[0], ref[0], atol=1e-12) and torch.allclose(fused[1], ref[1], atol=1e-12)
     # top-k renormalises over 5 tokens: the unfused kept-set path ran, so the entropies differ
     assert not torch.allclose(via_kept_set[1], ref[1], atol=1e-6)
+
+
+def test_a_minus_inf_logit_gives_finite_values_and_gradients_like_the_unfused_path():
+    """A token of probability exactly 0 (logit -inf): 0 log 0 = 0 in the entropy and in its gradient."""
+    logits, ids = _inputs(torch.float64, shape=(3, 40))
+    with torch.no_grad():
+        logits[:, 7] = float("-inf")
+    ids = torch.where(ids == 7, 8, ids)
+    picked, entropy = fused_logprobs_and_entropy(logits, ids, 0.8, entropy_grad=True)
+    (picked.sum() + 0.5 * entropy.sum()).backward()
+    finite = logits.detach().masked_fill(torch.isinf(logits.detach()), -1e30)
+    ref_logits = finite.clone().requires_grad_(True)
+    ref_picked, ref_entropy = unfused(ref_logits, ids, 0.8)
+    (ref_picked.sum() + 0.5 * ref_entropy.sum()).backward()
+    assert torch.isfinite(entropy).all() and torch.isfinite(logits.grad).all()
+    assert torch.allclose(picked, ref_picked, atol=1e-12) and torch.allclose(entropy, ref_entropy, atol=1e-12)
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-12)
+    assert float(logits.grad[:, 7].abs().max()) == 0.0
+
+
+def test_an_unused_entropy_costs_no_entropy_gradient(monkeypatch):
+    """The entropy detached (the trainer without an entropy bonus): backward gets grad_entropy = None, so it does not
+    build the entropy's [n, V] coefficient (set_materialize_grads(False))."""
+    from nearpolicy.ops import fused_logprobs
+
+    seen = []
+    backward = fused_logprobs._LogprobEntropy.backward
+
+    def spy(ctx, grad_picked, grad_entropy):
+        seen.append(grad_entropy is None)
+        return backward(ctx, grad_picked, grad_entropy)
+
+    monkeypatch.setattr(fused_logprobs._LogprobEntropy, "backward", staticmethod(spy))
+    logits, ids = _inputs(torch.float32)
+    picked, entropy = fused_logprobs_and_entropy(logits, ids, 1.0)
+    picked.sum().backward()
+    assert seen == [True]

@@ -50,7 +50,7 @@ class RunConfig(Section):
     """CPU threads for torch and llama.cpp."""
     reuse_freed_memory: bool = True
     """Keep memory the trainer frees in its heap for the next micro-batch instead of returning large blocks to the
-    OS (glibc only; allocator.py): about 10 % off an update, the price being an RSS that stays at its peak."""
+    OS after each (glibc only; allocator.py): about 10 % off a micro-batch; the free pages go back once per update."""
     max_bad_steps: int = Field(3, ge=1)
     """Stop the run after this many consecutive steps whose loss or gradient was NaN / inf (each is skipped and
     counted in guard/bad_steps)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from nearpolicy.allocator import release_freed_memory
 from nearpolicy.batching import TokenBatch
 from nearpolicy.ops.corrections import CorrectionSpec, correct, correction_log_ratio, mismatch_correction, mismatch_log_ratio
 from nearpolicy.ops.losses import ADVANTAGE_PROPORTIONAL_LOSSES, PolicyLossInput, PolicyLossParams, policy_loss
@@ -170,6 +171,7 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
             totals[key] = totals.get(key, 0.0) + float(value) / settings.optimizer_steps
     totals["skipped_minibatches"], totals["inert_rows"] = float(skipped), float(inert.float().mean())
     metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in totals.items()}
+    release_freed_memory()  # the heap kept this update's freed blocks for its micro-batches (allocator.py)
     return UpdateResult(metrics, old_logprobs, current, entropy)
 
 

@@ -19,13 +19,20 @@ from __future__ import annotations
 import torch
 
 
+# log p below this has p = exp(log p) = 0 exactly in float32 and float64: flooring there changes no value, and keeps
+# 0 * log 0 (a -inf logit) at 0 instead of NaN, as the unfused path's masked_fill did
+LOGP_FLOOR = -1e4
+
+
 class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, token_ids: torch.Tensor, temperature: float):
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not a tensor of zeros
         scaled = logits / temperature if temperature != 1.0 else logits
         lse = torch.logsumexp(scaled, dim=-1)  # [n]
         logp = scaled - lse.unsqueeze(-1)  # [n, V], freed after the forward
         picked = logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+        logp.clamp_min_(LOGP_FLOOR)
         # -sum p log p, not lse - E[s]: the two terms of the latter are large and cancel
         entropy = -torch.linalg.vecdot(torch.exp(logp), logp)
         ctx.save_for_backward(logits, token_ids, lse, entropy)
@@ -33,12 +40,14 @@ class _LogprobEntropy(torch.autograd.Function):
         return picked, entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_picked: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         if grad_picked is None and grad_entropy is None:
             return None, None, None
         logits, token_ids, lse, entropy = ctx.saved_tensors
         temperature = ctx.temperature
-        logp = (logits / temperature).sub_(lse.unsqueeze(-1))  # a new [n, V] buffer: it becomes the gradient
+        # a new [n, V] buffer: it becomes the gradient
+        logp = (logits / temperature).sub_(lse.unsqueeze(-1)).clamp_min_(LOGP_FLOOR)
         # d/ds_j = p_j c_j + gL [j = y], with c_j = -gL - gH (log p_j + H)   (s_j - E[s] = log p_j + H)
         if grad_entropy is not None:
             coef = (logp + entropy.unsqueeze(-1)).mul_(-grad_entropy.unsqueeze(-1))
