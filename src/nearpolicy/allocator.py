@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc malloc.h
@@ -23,8 +24,10 @@ REUSE = {M_TRIM_THRESHOLD: 1 << 30, M_MMAP_MAX: 0}
 _state = {"enabled": False}
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
-    """glibc's C library, or None (macOS, musl, Windows)."""
+    """glibc's C library, or None (macOS, musl, Windows). Cached: find_library runs ldconfig in a subprocess, and
+    release_freed_memory asks once per update."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:

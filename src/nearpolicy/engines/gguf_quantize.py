@@ -65,10 +65,10 @@ def quantize(weight: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int 
                          f"must be a multiple of {block}")
     rows = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, weight.shape[-1])
     out = np.empty((rows.shape[0], weight.shape[-1] // block * type_size), dtype=np.uint8)
-    lib = ggml() if qtype in _GGML_TYPES else None
     if rows.shape[0] == 0:
-        pass
-    elif lib is not None:
+        return out.reshape(*weight.shape[:-1], out.shape[-1])
+    lib = ggml() if qtype in _GGML_TYPES else None
+    if lib is not None:
         lib.ggml_quantize_init(int(qtype))
         _in_parallel(_ggml_rows(lib, qtype, rows, out), rows.shape[0], -(-rows.shape[0] // 8), threads)
     else:

@@ -19,10 +19,15 @@ import torch
 from nearpolicy.ops.fused_logprobs import fused_logprobs_and_entropy
 
 
+def keeps_every_token(top_k: int, top_p: float, vocab: int) -> bool:
+    """True when top-k and top-p are both disabled for a vocabulary of `vocab` tokens (no kept set)."""
+    return (top_k <= 0 or top_k >= vocab) and top_p >= 1.0
+
+
 def kept_set(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
     """Bool mask [..., V] of the tokens top-k / top-p keep; None when both are disabled. No grad."""
     vocab = scaled_logits.shape[-1]
-    if (top_k <= 0 or top_k >= vocab) and top_p >= 1.0:
+    if keeps_every_token(top_k, top_p, vocab):
         return None
     with torch.no_grad():
         keep = torch.ones_like(scaled_logits, dtype=torch.bool)
@@ -65,7 +70,7 @@ def token_logprobs_and_entropy(
     entropy is detached unless `entropy_grad` (the entropy bonus, config algorithm.entropy_coef, needs its grad).
     Without top-k / top-p it runs ops/fused_logprobs.py (same values, fewer vocabulary-wide passes).
     """
-    if (top_k <= 0 or top_k >= logits.shape[-1]) and top_p >= 1.0:
+    if keeps_every_token(top_k, top_p, logits.shape[-1]):
         return fused_logprobs_and_entropy(logits, token_ids, temperature, entropy_grad)
     logp = transformed_log_softmax(logits, temperature, top_k, top_p, always_keep=token_ids)
     picked = torch.gather(logp, -1, token_ids.unsqueeze(-1)).squeeze(-1)
