@@ -47,8 +47,10 @@ def _decode_step_profile(roll: dict, bound: float | None) -> list[str]:
                          "n/a" if not bound else f"{100 * rate / bound:.0f}%"])
     if not rows:
         return []
-    return ["llama.cpp decode steps by the number of sequences still generating (one token each; the batch shrinks "
-            "as sequences stop, so a run's tokens/s mixes these rates). Rates are llama_decode time only.", "",
+    return ["Decode steps by the number of sequences in the call (one token each; the batch shrinks as sequences "
+            "stop, so a run's tokens/s mixes these rates): for llama.cpp the sequences still generating, rates from "
+            "llama_decode time only; for the hf engine the rows of its batch (finished rows stay until the live "
+            "ones fall under 3/4 of them), rates from its decode-step time only.", "",
             md_table(["configuration", "active sequences", "decode calls", "ms / call", "tokens/s", "of decode bound"],
                      rows), ""]
 
@@ -82,8 +84,11 @@ def _why(res: dict, d: dict, missed: list[str]) -> list[str]:
     if "rollout vs the decoding compute bound" in missed and best_name:
         p = nps[best_name].get("profile") or {}
         share = p.get("forward_s", 0) / p["total_s"] if p.get("total_s") else 0.0
+        llama = "llamacpp" in best_name
+        where = "llama.cpp's decode call" if llama else "the hf engine's prefill and decode steps (torch forward)"
+        engine = "llama.cpp" if llama else "the decode step"
         text = (f"**Rollout vs the decoding bound.** {100 * share:.0f}% of {best_name}'s rollout time is inside "
-                "llama.cpp's decode call, so the gap is llama.cpp's speed at the batch it is given, not nearpolicy's "
+                f"{where}, so the gap is {engine}'s speed at the batch it is given, not nearpolicy's "
                 "sampling loop. That batch shrinks as sequences stop (one GRPO step's prompts x G sequences, no new "
                 "requests to refill the slots), and a decode call with few sequences costs much more per token than a "
                 "full one.")
@@ -95,9 +100,13 @@ def _why(res: dict, d: dict, missed: list[str]) -> list[str]:
             text += (f" Here the mean decode call carried {tokens / calls:.1f} sequences; calls with {full[0]}-{full[1]} "
                      f"sequences ran at {full[3] / full[4]:.0f} tokens/s ({100 * full[3] / full[4] / bound:.0f}% of the "
                      f"bound), calls with {tail[0]}-{tail[1]} at {tail[3] / tail[4]:.0f} tokens/s "
-                     f"({100 * tail[3] / tail[4] / bound:.0f}%). Where even full calls stay below the target, the gap "
-                     "is llama.cpp's own arithmetic rate: the bound is torch's fp32 GEMM peak, which uses AVX-512 where "
-                     "the CPU has it, while the pinned llama.cpp build runs AVX2 kernels (docs/results.md sec. 6).")
+                     f"({100 * tail[3] / tail[4] / bound:.0f}%). ")
+            text += ("Where even full calls stay below the target, the gap is llama.cpp's own arithmetic rate: the "
+                     "bound is torch's fp32 GEMM peak, which uses AVX-512 where the CPU has it, while the pinned "
+                     "llama.cpp build runs AVX2 kernels (docs/results.md sec. 6)." if llama else
+                     "A decode step reads every weight once whatever its batch, so the calls of the rollout's tail, "
+                     "with few sequences left, cost almost as much as full ones: their floor is the memory "
+                     "bandwidth, not the arithmetic the bound counts (docs/results.md sec. 13).")
         else:
             text += " The decode-step profile by batch size was not recorded in this run (see docs/bench/decode-steps.md)."
         out += [text, ""]

@@ -5,7 +5,7 @@
     python bench/workers.py trainer   --out R.json --batch 8 --seq-len 128 ...
     python bench/workers.py export-hf --out R.json --dir bench/.cache/smollm2-hf
 
-Rollout configurations: `llamacpp:<precision>` and `hf:fp32` are nearpolicy engines (per-token log-probs from
+Rollout configurations: `llamacpp:<precision>` and `hf:fp32` / `hf:bf16` are nearpolicy engines (per-token log-probs from
 the sampling loop). `transformers-generate` is `model.generate` configured as TRL's GRPOTrainer configures it
 without vLLM (do_sample, temperature 1, top_p 1, top_k 0, the prompts repeated G times, left padding, one
 batch); generate returns no log-probs. `transformers-generate+logprobs` adds what TRL does to get them: one
@@ -154,9 +154,11 @@ def _time_forward(runner) -> list:
         from nearpolicy.engines.llama_context import KVContext
 
         obj, attr, acc[1] = KVContext, "decode", "llama_decode (llama.cpp forward, logits copy)"
+    elif engine is not None and hasattr(engine, "_stepper"):  # the hf engine: prefill (start) and decode steps
+        _time_hf_stepper(engine._stepper, acc)
+        return acc
     else:
-        obj = engine.model if engine is not None else runner.model
-        attr, acc[1] = "forward", "torch model forward"
+        obj, attr, acc[1] = runner.model, "forward", "torch model forward"
     inner = getattr(obj, attr)
 
     def timed(*a, **k):
@@ -174,6 +176,33 @@ def _time_forward(runner) -> list:
 
     setattr(obj, attr, timed)
     return acc
+
+
+def _time_hf_stepper(stepper, acc: list) -> None:
+    """_time_forward for the hf engine: times its stepper's prefill and decode steps; acc[2] maps the rows of a
+    decode step (live sequences plus finished ones not yet compacted away) to [calls, seconds]."""
+    acc[1] = f"{type(stepper).__name__} start + step (torch forward, logits)"
+    start, step = stepper.start, stepper.step
+
+    def timed_start(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return start(*a, **k)
+        finally:
+            acc[0] += time.perf_counter() - t0
+
+    def timed_step(ids):
+        t0 = time.perf_counter()
+        try:
+            return step(ids)
+        finally:
+            dt = time.perf_counter() - t0
+            acc[0] += dt
+            calls = acc[2].setdefault(len(ids), [0, 0.0])
+            calls[0] += 1
+            calls[1] += dt
+
+    stepper.start, stepper.step = timed_start, timed_step
 
 
 def trainer(args) -> dict:

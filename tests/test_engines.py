@@ -159,7 +159,7 @@ def test_decode_counts_without_a_call_and_for_an_engine_that_does_not_count():
 
     assert DecodeCounts().metrics() == {"rollout/decode_calls": 0.0}  # no batch to average
     assert DecodeCounts(2, 3, 8) + DecodeCounts(1, 1, 4) == DecodeCounts(3, 4, 12)
-    assert take_decode_counts(object()) is None  # hf, vllm, fakes: no rollout/decode_* metric
+    assert take_decode_counts(object()) is None  # vllm, fakes: no rollout/decode_* metric
 
 
 # -- weight sync (invariant 9) --------------------------------------------------------------------

@@ -92,7 +92,7 @@ class DecodeCounts:
 
 def take_decode_counts(engine) -> DecodeCounts | None:
     """The DecodeCounts of `engine`'s generate calls since the last take (the engine's count restarts at zero), or
-    None for an engine that does not count them (hf, vllm, the fake engines: their step has no rollout/decode_*)."""
+    None for an engine that does not count them (vllm, the fake engines: their step has no rollout/decode_*)."""
     take = getattr(engine, "take_decode_counts", None)
     return None if take is None else take()
 

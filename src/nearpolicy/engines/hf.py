@@ -1,14 +1,20 @@
-"""transformers rollout engine: our own sampling loop over a KV-cached forward pass, weights and cache in
-a chosen dtype (fp32 / bf16). Same log-prob contract as the llama.cpp engine: the returned log-prob is the
-transformed log softmax (ops/logprobs.py) of the logits the token was drawn from, in float32."""
+"""transformers rollout engine: our own sampling loop over a KV-cached decode step (engines/hf_decode.py), weights
+and cache in a chosen dtype (fp32 / bf16), in this process. Same log-prob contract and sampler as the llama.cpp
+engine (engines/sampling.sample_rows): the returned log-prob is the transformed log softmax of the float32 logits the
+token was drawn from, computed in float64. A chunk of at most max_parallel_sequences samples (whole requests) is
+decoded together; each distinct prompt is prefilled once."""
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from nearpolicy.engines.base import DecodeCounts
+from nearpolicy.engines.hf_decode import COMPACT_BELOW, make_stepper, sample_rows_of
+from nearpolicy.engines.sampling import sample_rows
 from nearpolicy.ops.logprobs import transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
@@ -34,78 +40,80 @@ class HFEngine:
         self.max_parallel = max_parallel_sequences
         self.version = version
         self.pad_id = next(iter(sorted(self.stop_ids)))
+        self._stepper = make_stepper(self.model)
+        self._decode_counts = DecodeCounts()
 
     def update_weights(self, source: Path | dict, version: int) -> None:
         if not isinstance(source, dict):
             raise TypeError("the hf engine syncs from a state dict")
         dtype = next(self.model.parameters()).dtype
         self.model.load_state_dict({k: v.to(dtype) for k, v in source.items()}, strict=False)
+        self._stepper.repack()  # the stepper's packed copies of the weights
         self.version = version
 
     def close(self) -> None:
-        self.model = None
+        self.model = self._stepper = None
 
-    @torch.no_grad()
-    def _run(self, prompts: list[tuple[int, ...]], sampling: SamplingParams | None, limits: list[int],
-             generator: torch.Generator | None) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        """Decode every prompt to a stop id or its own token limit (limits [n])."""
-        n, max_new = len(prompts), max(limits)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding keeps the last prompt token at the same column
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
-        pos = (attn.cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1].float()
+    def take_decode_counts(self) -> DecodeCounts:
+        """The DecodeCounts of the generate calls since the last take; the count restarts at zero."""
+        counts, self._decode_counts = self._decode_counts, DecodeCounts()
+        return counts
+
+    def _run(self, requests: list[GenerationRequest], sampling: SamplingParams | None, limits: list[int],
+             rng: np.random.Generator | None) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        """Decode every sample of `requests` (request.n each) to a stop id or its own token limit (limits [n
+        samples]); sampling None is greedy. Returns (ids, log-probs, finish reason) per sample."""
+        prompts, rows = sample_rows_of(requests)
+        n = len(rows)
         tokens, logps = [[] for _ in range(n)], [[] for _ in range(n)]
-        finish = [None] * n
-        next_pos = pos[:, -1:] + 1
-        for _ in range(max_new):
+        finish: list[str | None] = ["length" if limit <= 0 else None for limit in limits]
+        if all(f is not None for f in finish):
+            return tokens, logps, finish
+        logits = self._stepper.start(prompts, rows, max(len(p) for p in prompts) + max(limits), self.pad_id)
+        live, batch_rows = list(range(n)), n  # live: the sample in each of the stepper's rows, in row order
+        while True:
+            alive = [j for j, i in enumerate(live) if finish[i] is None]  # rows not finished (some may linger)
+            rows_logits = logits if len(alive) == len(live) else logits[alive]
             if sampling is None:
-                tok = logits.argmax(-1)
-                lp = torch.zeros(n)
+                ids, lps = rows_logits.argmax(-1).tolist(), [0.0] * len(alive)
             else:
-                if self.logit_noise:  # the engine samples from, and reports, the perturbed distribution
-                    logits = logits + self.logit_noise * torch.randn(logits.shape, generator=generator)
-                logp = transformed_log_softmax(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-                gumbel = -torch.log(-torch.log(torch.rand(logp.shape, generator=generator).clamp_min(1e-20)))
-                tok = (logp + gumbel).argmax(-1)
-                lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            for i in range(n):
-                if finish[i] is None:
-                    tokens[i].append(int(tok[i]))
-                    logps[i].append(float(lp[i]))
-                    if int(tok[i]) in self.stop_ids:
-                        finish[i] = "stop"
-                    elif len(tokens[i]) >= limits[i]:
-                        finish[i] = "length"
-            if all(f is not None for f in finish):
-                break
-            attn = torch.cat([attn, torch.ones((n, 1), dtype=torch.long)], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1].float()
-            next_pos = next_pos + 1
-        return tokens, logps, finish
+                ids, lps = sample_rows(rows_logits.numpy(), sampling, rng, self.logit_noise)
+                ids, lps = ids.tolist(), lps.tolist()
+            for j, tok, lp in zip(alive, ids, lps):
+                i = live[j]
+                tokens[i].append(tok)
+                logps[i].append(lp)
+                if tok in self.stop_ids:
+                    finish[i] = "stop"
+                elif len(tokens[i]) >= limits[i]:
+                    finish[i] = "length"
+            going = [j for j in alive if finish[live[j]] is None]
+            if not going:
+                return tokens, logps, finish
+            step_ids = torch.full((len(live),), self.pad_id, dtype=torch.long)
+            step_ids[alive] = torch.tensor(ids)
+            if len(going) < COMPACT_BELOW * batch_rows:  # drop the finished rows from the batch
+                self._stepper.keep(torch.tensor(going))
+                live, step_ids, batch_rows = [live[j] for j in going], step_ids[going], len(going)
+            logits = self._stepper.step(step_ids)
+            if sampling is not None:
+                self._decode_counts += DecodeCounts(1, len(going), self.max_parallel)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int) -> list[Rollout]:
-        generator = torch.Generator().manual_seed(seed)
-        flat = [(r, k) for r in requests for k in range(r.n)]
+        rng = np.random.default_rng(seed)
         rollouts = []
-        for start in range(0, len(flat), self.max_parallel):
-            chunk = flat[start : start + self.max_parallel]
-            limits = [r.token_limit(sampling.max_new_tokens) for r, _ in chunk]
-            toks, lps, fin = self._run([r.prompt_ids for r, _ in chunk], sampling, limits, generator)
-            for (r, k), t, lp, f in zip(chunk, toks, lps, fin):
+        for chunk in _chunks(requests, self.max_parallel):
+            limits = [r.token_limit(sampling.max_new_tokens) for r in chunk for _ in range(r.n)]
+            toks, lps, fin = self._run(chunk, sampling, limits, rng)
+            samples = [(r, k) for r in chunk for k in range(r.n)]
+            for (r, k), t, lp, f in zip(samples, toks, lps, fin):
                 rollouts.append(Rollout(r.group_id, k, list(r.prompt_ids), t, lp, [self.version] * len(t), f))
         return rollouts
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        requests = [GenerationRequest(i, tuple(p), 1) for i, p in enumerate(prompts)]
         result = []
-        for start in range(0, len(prompts), self.max_parallel):
-            chunk = [tuple(p) for p in prompts[start : start + self.max_parallel]]
+        for chunk in _chunks(requests, self.max_parallel):
             result += self._run(chunk, None, [max_new_tokens] * len(chunk), None)[0]
         return result
 
@@ -120,3 +128,15 @@ class HFEngine:
 
     def is_stop_token(self, token: int) -> bool:
         return token in self.stop_ids
+
+
+def _chunks(requests: list[GenerationRequest], max_parallel: int) -> list[list[GenerationRequest]]:
+    """Whole requests, in order, at most max_parallel samples a chunk (a request larger than that alone)."""
+    chunks, current, size = [], [], 0
+    for r in requests:
+        if current and size + r.n > max_parallel:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(r)
+        size += r.n
+    return chunks + ([current] if current else [])

@@ -1,0 +1,169 @@
+"""The transformers engine's decode steppers (engines/hf_decode.py) against the transformers forward, and the hf
+engine's sampling loop: completions end at their first stop id, tokens reach the right sample, log-probs are the
+trainer's at fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nearpolicy.engines.hf import HFEngine
+from nearpolicy.engines.hf_decode import LlamaStepper, TransformersStepper, left_padded
+from nearpolicy.types import GenerationRequest, SamplingParams
+
+PROMPTS = [(1, 504, 3287, 28, 1085, 6001), (1, 2683, 359), (1, 9, 77, 4000, 12)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+def _reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """The transformers forward over the whole sequence, no cache: logits [V] after its last token."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("stepper_class", [LlamaStepper, TransformersStepper])
+def test_stepper_logits_equal_the_transformers_forward_through_steps_and_compaction(tiny_model, stepper_class):
+    """Prompts of 6, 3 and 5 tokens (left padding), 7 sequences (prompt rows 0 0 1 2 2 2 1), then steps with
+    different tokens per row, dropping rows twice (reordered). Every row's logits must equal the full forward of
+    its own prompt + fed tokens: a cache column, position or mask off by one, or a row given another row's cache,
+    moves the logits by far more than 1e-4."""
+    stepper = stepper_class(tiny_model)
+    rows = torch.tensor([0, 0, 1, 2, 2, 2, 1])
+    sequences = [list(PROMPTS[r]) for r in rows.tolist()]
+    logits = stepper.start(PROMPTS, rows, 6 + 8, pad_id=2)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        for seq, row_logits in zip(sequences, logits):
+            assert torch.allclose(row_logits, _reference_logits(tiny_model, seq), atol=1e-4, rtol=0)
+        if step == 2:
+            kept = torch.tensor([5, 0, 3, 2, 6])
+            stepper.keep(kept)
+            sequences = [sequences[i] for i in kept.tolist()]
+        if step == 4:
+            stepper.keep(torch.tensor([1, 3]))
+            sequences = [sequences[1], sequences[3]]
+        fed = torch.randint(5, 40000, (len(sequences),), generator=generator)
+        for seq, tok in zip(sequences, fed.tolist()):
+            seq.append(tok)
+        logits = stepper.step(fed)
+
+
+def test_llama_stepper_reuses_its_buffers_and_grows_them(tiny_model):
+    """A second call with more rows and a longer capacity than the first (the buffers grow), then a smaller one
+    (they are reused): each row still gets its own prompt's logits."""
+    stepper = LlamaStepper(tiny_model)
+    for prompts, rows, capacity in [(PROMPTS[1:2], torch.tensor([0, 0]), 5), (PROMPTS, torch.arange(3).repeat(3), 12),
+                                    (PROMPTS[:1], torch.tensor([0]), 8)]:
+        logits = stepper.start(prompts, rows, capacity, pad_id=2)
+        for r, row_logits in zip(rows.tolist(), logits):
+            assert torch.allclose(row_logits, _reference_logits(tiny_model, list(prompts[r])), atol=1e-4, rtol=0)
+    assert stepper._buffers[0][0][0].shape[0] == 9 and stepper._buffers[0][0][0].shape[2] == 12
+
+
+def test_left_padding_refuses_an_empty_prompt():
+    ids, valid = left_padded([(5, 6, 7), (8,)], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and valid.tolist() == [[True] * 3, [False, False, True]]
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        left_padded([(5,), ()], pad_id=0)
+
+
+@pytest.mark.parametrize("parallel", [16, 5])
+def test_hf_engine_completions_end_at_their_first_stop_with_the_trainers_logprobs(tiny_model, parallel):
+    """Stop ids are every id below 2500 (about 5 % of the vocabulary), so the 12 samples end at many different
+    steps and the batch is compacted several times. Each completion must hold no stop id but possibly its last,
+    end by 'stop' exactly when its last id is one, else reach its limit; and every log-prob must be the trainer's
+    log-softmax at that position (fp32, within 5e-5): a token handed to the wrong sample fails this. parallel 5
+    splits the requests into chunks of whole requests."""
+    stops = set(range(2500))
+    engine = HFEngine(tiny_model, stops, max_parallel_sequences=parallel)
+    sampling = SamplingParams(1.0, 1.0, 0, 24)
+    requests = [GenerationRequest(i, p, 4, max_new_tokens=24 - 6 * i) for i, p in enumerate(PROMPTS)]
+    rollouts = engine.generate(requests, sampling, seed=1)
+    assert [(r.group_id, r.sample_index) for r in rollouts] == [(g, k) for g in range(3) for k in range(4)]
+    lengths = set()
+    for r in rollouts:
+        limit = 24 - 6 * r.group_id
+        ids = r.completion_ids
+        assert 1 <= len(ids) <= limit and not any(t in stops for t in ids[:-1])
+        assert r.finish_reason == ("stop" if ids[-1] in stops else "length")
+        assert r.finish_reason == "stop" or len(ids) == limit
+        with torch.no_grad():
+            logits = tiny_model(input_ids=torch.tensor([list(r.prompt_ids) + ids])).logits[0].float()
+        reference = torch.log_softmax(logits[len(r.prompt_ids) - 1 : -1], -1)[torch.arange(len(ids)), ids]
+        assert np.allclose(r.rollout_logprobs, reference.numpy(), atol=5e-5, rtol=0)
+        lengths.add(len(ids))
+    assert len(lengths) >= 4  # the samples did end at different steps
+    counts = engine.take_decode_counts()
+    assert counts.calls > 0 and 0 < counts.sequences <= counts.calls * len(rollouts)
+    assert engine.take_decode_counts().calls == 0
+
+
+def test_hf_engine_greedy_is_the_transformers_argmax(tiny_model):
+    engine = HFEngine(tiny_model, {0}, max_parallel_sequences=2)
+    outs = engine.greedy([list(p) for p in PROMPTS], 5)
+    for prompt, out in zip(PROMPTS, outs):
+        seq = list(prompt)
+        for tok in out:
+            assert tok == int(_reference_logits(tiny_model, seq).argmax())
+            seq.append(tok)
+    assert engine.greedy([list(PROMPTS[0])], 0) == [[]]
+
+
+def test_hf_engine_weight_sync_reaches_the_packed_weights(tiny_model):
+    """update_weights must re-pack: the stepper's joined, packed projections are copies of the weights."""
+    engine = HFEngine(tiny_model, {0})
+    before = engine.greedy([list(PROMPTS[0])], 4)
+    state = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    generator = torch.Generator().manual_seed(3)
+    for k in state:
+        if "mlp" in k or "proj" in k:
+            state[k] = torch.randn(state[k].shape, generator=generator) * 0.5
+    engine.update_weights(state, version=1)
+    changed = engine._stepper.start([PROMPTS[0]], torch.tensor([0]), 8, pad_id=0)[0]
+    reference = engine.model(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1].float()
+    assert torch.allclose(changed, reference, atol=1e-4, rtol=0)
+    assert engine.version == 1 and engine.greedy([list(PROMPTS[0])], 4) != before
+
+
+def _tiny(config_class, model_class, **extra):
+    from nearpolicy.models import load_policy  # noqa: F401  (the package's transformers settings)
+
+    torch.manual_seed(1)
+    config = config_class(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          tie_word_embeddings=False, **extra)
+    return model_class(config).eval()
+
+
+def test_llama_with_attention_bias_and_an_untied_head_and_a_qwen2_model():
+    """The joined q/k/v projection carries their biases (a Llama config with attention_bias), an untied LM head is
+    the one read; a Qwen2 model (not Llama: TransformersStepper) runs through its own forward. Each against the
+    transformers forward as above."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    llama = _tiny(LlamaConfig, LlamaForCausalLM, attention_bias=True)
+    for name, param in llama.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.normal_(param, std=0.5)  # zero biases would hide a dropped one
+    qwen = _tiny(Qwen2Config, Qwen2ForCausalLM)
+    from nearpolicy.engines.hf_decode import make_stepper
+
+    for model, kind in [(llama, LlamaStepper), (qwen, TransformersStepper)]:
+        stepper = make_stepper(model)
+        assert type(stepper) is kind
+        rows = torch.tensor([0, 1, 1])
+        sequences = [list(PROMPTS[r]) for r in rows.tolist()]
+        logits = stepper.start(PROMPTS[:2], rows, 6 + 3, pad_id=2)
+        for fed in ([7, 8, 9], [10, 11, 12]):
+            for seq, row_logits in zip(sequences, logits):
+                assert torch.allclose(row_logits, _reference_logits(model, seq), atol=1e-4, rtol=0)
+            for seq, tok in zip(sequences, fed):
+                seq.append(tok)
+            logits = stepper.step(torch.tensor(fed))
