@@ -104,6 +104,8 @@ def derive(res: dict) -> dict:
     grpo = res.get("grpo", {})
     if "nearpolicy" in grpo and "trl" in grpo:
         out["grpo_step_ratio"] = ratio(grpo["nearpolicy"]["step_s"], grpo["trl"]["step_s"])
+    if "nearpolicy-hf-bf16" in grpo and "trl" in grpo:
+        out["grpo_step_ratio_hf_bf16"] = ratio(grpo["nearpolicy-hf-bf16"]["step_s"], grpo["trl"]["step_s"])
     if "nearpolicy" in grpo:
         out["diagnostics_overhead"] = grpo["nearpolicy"]["diagnostics_fraction"]
         if "nearpolicy-no-diagnostics" in grpo:
@@ -169,6 +171,11 @@ def render_markdown(res: dict, d: dict, command: str, notes: str = "", raw: str 
         if "grpo_step_ratio" in d:
             r = d["grpo_step_ratio"]
             lines += [f"nearpolicy / TRL step time: **{r['median']:.2f}** ({r['min']:.2f}-{r['max']:.2f}).", ""]
+        if "grpo_step_ratio_hf_bf16" in d:
+            r = d["grpo_step_ratio_hf_bf16"]
+            lines += [f"With the in-process bf16 engine (nearpolicy-hf-bf16: `engine.kind=hf`, `engine.hf_dtype=bf16`, "
+                      f"run on CPUs with AMX; the target row uses the main job's llama.cpp q8_0 engine): "
+                      f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}).", ""]
     tr = res.get("trainer")
     if tr is not None:
         lines += ["## 3. Trainer forward + backward throughput", "",

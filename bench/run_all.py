@@ -29,6 +29,8 @@ from harness import derive, render_markdown, step_times, summarize, train_flops_
 ROOT = Path(__file__).resolve().parent.parent
 ROLLOUTS = ["llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "hf:fp32", "hf:bf16", "transformers-generate",
             "transformers-generate+logprobs"]
+HF_ARM = "nearpolicy-hf-bf16"  # the GRPO arm with the in-process bf16 engine (docs/results.md sec. 13)
+HF_ENGINE = ("engine.kind=hf", "engine.hf_dtype=bf16")
 FULL = dict(prompts=4, group=8, new_tokens=128, grpo_new_tokens=64, grpo_steps=6, micro_batch=8, gemm_n=2048,
             gemm_inner=5, train_batch=8, train_seq=128, train_inner=3, eval_size=32, lr=2e-5)
 QUICK = dict(prompts=2, group=2, new_tokens=8, grpo_new_tokens=8, grpo_steps=1, micro_batch=2, gemm_n=512,
@@ -113,8 +115,10 @@ class Harness:
                 f"sampling.max_new_tokens={s['grpo_new_tokens']}",
                 "algorithm.lr_schedule=constant", "algorithm.warmup_steps=0"]  # TRL's constant lr, not the recipe's
 
-    def nearpolicy_grpo(self, name: str, diagnostics: bool) -> dict | None:
-        sets = self.grpo_overrides() + [
+    def nearpolicy_grpo(self, name: str, diagnostics: bool, engine: tuple[str, ...] = ()) -> dict | None:
+        """One `nearpolicy train` run of configs/main.toml at the harness's GRPO settings; `engine`: extra overrides
+        (the hf:bf16 arm)."""
+        sets = self.grpo_overrides() + list(engine) + [
             f"run.output_dir='{self.tmp}'", f"run.name={name}", f"logging.diagnostics={str(diagnostics).lower()}",
             "logging.eval_every=1000000", "logging.checkpoint_every=1000000", "logging.keep_checkpoints=1",
             "logging.tensorboard=false", "logging.progress=false"]
@@ -152,11 +156,14 @@ class Harness:
     def grpo(self) -> dict:
         """Repeats interleaved (nearpolicy, nearpolicy without diagnostics, TRL) so drift hits all alike; each run's
         figure is its mean step time over the steps after the warm-up one."""
-        runs: dict[str, list[dict]] = {"nearpolicy": [], "nearpolicy-no-diagnostics": [], "trl": []}
+        runs: dict[str, list[dict]] = {"nearpolicy": [], "nearpolicy-no-diagnostics": [], HF_ARM: [], "trl": []}
+        hf_arm = self.args.hf_arm == "on" or (self.args.hf_arm == "auto" and cpu_has_amx())
         for rep in range(self.args.repeats):
             print(f" GRPO repeat {rep + 1}/{self.args.repeats}", flush=True)
             for name, fn in (("nearpolicy", lambda: self.nearpolicy_grpo(f"on-{rep}", True)),
                              ("nearpolicy-no-diagnostics", lambda: self.nearpolicy_grpo(f"off-{rep}", False)),
+                             (HF_ARM, (lambda: self.nearpolicy_grpo(f"hf-{rep}", True, HF_ENGINE)) if hf_arm
+                              else lambda: None),
                              ("trl", self.trl_grpo if self.args.trl_python else lambda: None)):
                 r = fn()
                 if r is not None:
@@ -216,6 +223,14 @@ class Harness:
         return res
 
 
+def cpu_has_amx() -> bool:
+    """True when /proc/cpuinfo lists amx_bf16 (Linux; False where it cannot be read)."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def _shown(path: Path) -> str:
     """`path` as a page names it: relative to the checkout when inside it (the default --out is absolute)."""
     path = path.resolve()
@@ -230,6 +245,9 @@ def main() -> None:
     p.add_argument("--trl-python", default=None, help="python of the benchmark environment with TRL (.venv-bench)")
     p.add_argument("--parts", nargs="+", default=["rollout", "trainer", "grpo"], choices=["rollout", "trainer", "grpo"])
     p.add_argument("--rollouts", nargs="+", default=ROLLOUTS)
+    p.add_argument("--hf-arm", choices=["auto", "on", "off"], default="auto",
+                   help=f"the GRPO arm {HF_ARM} ({' '.join(HF_ENGINE)}); auto: on a CPU with AMX (bf16 matmuls "
+                        "without AMX were not measured)")
     p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks")
     p.add_argument("--render", type=Path, default=None,
                    help="re-write the markdown from an earlier run's JSON (no measurement), e.g. docs/benchmarks.json")
