@@ -181,14 +181,24 @@ def _time_forward(runner) -> list:
 def _time_hf_stepper(stepper, acc: list) -> None:
     """_time_forward for the hf engine: times its stepper's prefill and decode steps; acc[2] maps the rows of a
     decode step (live sequences plus finished ones not yet compacted away) to [calls, seconds]."""
-    acc[1] = f"{type(stepper).__name__} start + step (torch forward, logits)"
-    start, step = stepper.start, stepper.step
+    acc[1] = f"{type(stepper).__name__} start + step + keep (torch forward, logits, compaction)"
+    start, step, keep = stepper.start, stepper.step, stepper.keep
+
+    inside_start = [False]
+
+    def timed_keep(rows):  # start's own keep is inside start's time already
+        t0 = time.perf_counter()
+        try:
+            return keep(rows)
+        finally:
+            acc[0] += 0.0 if inside_start[0] else time.perf_counter() - t0
 
     def timed_start(*a, **k):
-        t0 = time.perf_counter()
+        t0, inside_start[0] = time.perf_counter(), True
         try:
             return start(*a, **k)
         finally:
+            inside_start[0] = False
             acc[0] += time.perf_counter() - t0
 
     def timed_step(ids):
@@ -202,7 +212,7 @@ def _time_hf_stepper(stepper, acc: list) -> None:
             calls[0] += 1
             calls[1] += dt
 
-    stepper.start, stepper.step = timed_start, timed_step
+    stepper.start, stepper.step, stepper.keep = timed_start, timed_step, timed_keep
 
 
 def trainer(args) -> dict:

@@ -55,16 +55,28 @@ def test_stepper_logits_equal_the_transformers_forward_through_steps_and_compact
         logits = stepper.step(fed)
 
 
-def test_llama_stepper_reuses_its_buffers_and_grows_them(tiny_model):
-    """A second call with more rows and a longer capacity than the first (the buffers grow), then a smaller one
-    (they are reused): each row still gets its own prompt's logits."""
+def test_llama_stepper_reuses_its_buffers_within_twice_the_call_and_remakes_them_otherwise(tiny_model):
+    """Buffers are kept while they hold the call and are at most twice its rows and columns (a compaction copies
+    whole buffers), else made at the call's size; each row still gets its own prompt's logits."""
     stepper = LlamaStepper(tiny_model)
+    shapes = []
     for prompts, rows, capacity in [(PROMPTS[1:2], torch.tensor([0, 0]), 5), (PROMPTS, torch.arange(3).repeat(3), 12),
-                                    (PROMPTS[:1], torch.tensor([0]), 8)]:
+                                    (PROMPTS[:2], torch.tensor([0, 1, 1, 0, 1]), 8), (PROMPTS[:1], torch.tensor([0]), 8)]:
         logits = stepper.start(prompts, rows, capacity, pad_id=2)
         for r, row_logits in zip(rows.tolist(), logits):
             assert torch.allclose(row_logits, _reference_logits(tiny_model, list(prompts[r])), atol=1e-4, rtol=0)
-    assert stepper._buffers[0][0][0].shape[0] == 9 and stepper._buffers[0][0][0].shape[2] == 12
+        shapes.append((tuple(stepper._buffers[0][0][0].shape), stepper._buffers[0][0][0].data_ptr()))
+    assert [shape[0] for shape, _ in shapes] == [2, 9, 9, 1] and [shape[2] for shape, _ in shapes] == [5, 12, 12, 8]
+    assert shapes[2][1] == shapes[1][1]  # reused, not made anew
+
+
+def test_buffers_made_in_inference_mode_serve_a_later_call_outside_it(tiny_model):
+    stepper = LlamaStepper(tiny_model)
+    with torch.inference_mode():
+        stepper.start(PROMPTS[:1], torch.tensor([0, 0]), 9, pad_id=2)
+    logits = stepper.start(PROMPTS[:1], torch.tensor([0, 0]), 9, pad_id=2)
+    stepper.step(torch.tensor([5, 6]))
+    assert torch.allclose(logits[0], _reference_logits(tiny_model, list(PROMPTS[0])), atol=1e-4, rtol=0)
 
 
 def test_left_padding_refuses_an_empty_prompt():
@@ -167,3 +179,48 @@ def test_llama_with_attention_bias_and_an_untied_head_and_a_qwen2_model():
             for seq, tok in zip(sequences, fed):
                 seq.append(tok)
             logits = stepper.step(torch.tensor(fed))
+
+
+def test_a_group_larger_than_max_parallel_keeps_occupancy_at_most_one(tiny_model):
+    engine = HFEngine(tiny_model, set(range(100)), max_parallel_sequences=4)
+    rollouts = engine.generate([GenerationRequest(0, PROMPTS[0], 10)], SamplingParams(1.0, 1.0, 0, 6), seed=0)
+    assert len(rollouts) == 10
+    metrics = engine.take_decode_counts().metrics()
+    assert 0 < metrics["rollout/decode_occupancy"] <= 1
+
+
+def test_a_refused_state_dict_still_leaves_the_packed_weights_equal_to_the_model(tiny_model):
+    """load_state_dict copies the tensors it can before raising on a bad shape: the packed copies must follow."""
+    engine = HFEngine(tiny_model, {0})
+    state = {k: torch.randn(v.shape) * 0.3 for k, v in tiny_model.state_dict().items() if "mlp" in k}
+    state["model.norm.weight"] = torch.ones(3)  # wrong shape
+    with pytest.raises(RuntimeError):
+        engine.update_weights(state, version=1)
+    stepped = engine._stepper.start([PROMPTS[0]], torch.tensor([0]), 8, pad_id=0)[0]
+    reference = engine.model(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1].float()
+    assert torch.allclose(stepped, reference, atol=1e-4, rtol=0)
+
+
+def test_a_hybrid_model_whose_cache_cannot_drop_rows_samples_through_the_plain_forward():
+    """Jamba (attention + Mamba layers): its cache's linear-attention layers cannot select rows, so each sample
+    prefills its own prompt and no row is dropped; log-probs equal the full forward's (fp32)."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    torch.manual_seed(0)
+    model = JambaForCausalLM(JambaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                                         attn_layer_offset=1, expert_layer_period=2, num_experts=2,
+                                         mamba_d_state=8)).eval()
+    engine = HFEngine(model, set(range(50)))
+    assert type(engine._stepper) is TransformersStepper
+    prompts = [(1, 200, 300), (1, 77)]
+    rollouts = engine.generate([GenerationRequest(i, p, 3) for i, p in enumerate(prompts)],
+                               SamplingParams(1.0, 1.0, 0, 6), seed=0)
+    assert not engine._stepper.can_drop_rows
+    for r in rollouts:
+        ids = list(r.prompt_ids) + r.completion_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        reference = torch.log_softmax(logits[len(r.prompt_ids) - 1 : -1], -1)[torch.arange(len(r.completion_ids)),
+                                                                           r.completion_ids]
+        assert np.allclose(r.rollout_logprobs, reference.numpy(), atol=1e-4, rtol=0)

@@ -47,8 +47,10 @@ class HFEngine:
         if not isinstance(source, dict):
             raise TypeError("the hf engine syncs from a state dict")
         dtype = next(self.model.parameters()).dtype
-        self.model.load_state_dict({k: v.to(dtype) for k, v in source.items()}, strict=False)
-        self._stepper.repack()  # the stepper's packed copies of the weights
+        try:
+            self.model.load_state_dict({k: v.to(dtype) for k, v in source.items()}, strict=False)
+        finally:  # a refused dict may have copied some tensors already: the packed copies follow the model anyway
+            self._stepper.repack()
         self.version = version
 
     def close(self) -> None:
@@ -92,12 +94,12 @@ class HFEngine:
                 return tokens, logps, finish
             step_ids = torch.full((len(live),), self.pad_id, dtype=torch.long)
             step_ids[alive] = torch.tensor(ids)
-            if len(going) < COMPACT_BELOW * batch_rows:  # drop the finished rows from the batch
+            if self._stepper.can_drop_rows and len(going) < COMPACT_BELOW * batch_rows:  # drop finished rows
                 self._stepper.keep(torch.tensor(going))
                 live, step_ids, batch_rows = [live[j] for j in going], step_ids[going], len(going)
             logits = self._stepper.step(step_ids)
             if sampling is not None:
-                self._decode_counts += DecodeCounts(1, len(going), self.max_parallel)
+                self._decode_counts += DecodeCounts(1, len(going), max(self.max_parallel, n))  # n: a large group
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int) -> list[Rollout]:
         rng = np.random.default_rng(seed)

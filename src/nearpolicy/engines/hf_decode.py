@@ -12,7 +12,9 @@ Two steppers with one interface (`start`, `step`, `keep`), both returning float3
 - `TransformersStepper`, any other causal LM: the model's own forward on a transformers DynamicCache.
 
 Both prefill each distinct prompt once and copy its cache rows to every sample of it (a group's G samples share
-their prompt), and drop finished rows from the batch (`keep`) so attention stops paying for them.
+their prompt), and drop finished rows from the batch (`keep`) so attention stops paying for them, where the cache
+allows it (`can_drop_rows`: not the linear-attention layers of hybrid models, whose samples each prefill their prompt
+and stay in the batch).
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class LlamaStepper:
         self.repack()
         self._buffers: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # two sets: (keys, values)
         self._live = 0  # the buffer set self.keys / self.values are views of
+        self.can_drop_rows = True
         self.keys: list[torch.Tensor] = []  # per layer, views [B, Hkv, capacity, D] of one buffer set
         self.values: list[torch.Tensor] = []
 
@@ -155,13 +158,16 @@ class LlamaStepper:
         self.mask, self.positions = self.mask.index_select(0, rows), self.positions.index_select(0, rows)
 
     def _reserve(self, rows: int, capacity: int) -> None:
-        """Two buffer sets, each (keys, values) per layer [rows, Hkv, capacity, D], kept across calls and grown only
-        when a call needs more rows or columns."""
+        """Two buffer sets, each (keys, values) per layer [rows, Hkv, capacity, D], kept across calls while they hold
+        the call and are at most twice its size in rows and in columns (a compaction copies whole buffers), else
+        made anew at the call's size. Made outside inference mode, so a later call outside it may write them."""
         have = self._buffers[0][0][0].shape if self._buffers else (0, 0, 0, 0)
-        if have[0] < rows or have[2] < capacity:
-            shape = (max(rows, have[0]), self.kv_heads, max(capacity, have[2]), self.head_dim)
-            self._buffers = [tuple([torch.empty(shape, dtype=self.dtype) for _ in self.layers] for _ in range(2))
-                             for _ in range(2)]
+        if not (rows <= have[0] <= 2 * rows and capacity <= have[2] <= 2 * capacity):
+            self._buffers = []  # the old ones go before the new ones are made
+            shape = (rows, self.kv_heads, capacity, self.head_dim)
+            with torch.inference_mode(False):
+                self._buffers = [tuple([torch.empty(shape, dtype=self.dtype) for _ in self.layers] for _ in range(2))
+                                 for _ in range(2)]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, column: int) -> torch.Tensor:
         """ids [B, S] at positions [B, S], written to cache columns column..column+S-1, attending under mask
@@ -211,6 +217,7 @@ class TransformersStepper:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.can_drop_rows = True  # set by each start from the model's cache layers
 
     def repack(self) -> None:
         """Nothing to rebuild: the model's forward reads its modules' weights."""
@@ -220,14 +227,18 @@ class TransformersStepper:
         """As LlamaStepper.start (capacity unused: the cache grows)."""
         from transformers import DynamicCache
 
+        self.cache = DynamicCache(config=self.model.config)
+        self.can_drop_rows = all(callable(getattr(layer, "batch_select_indices", None)) for layer in self.cache.layers)
+        if not self.can_drop_rows:  # e.g. linear-attention layers of hybrid models: every sample prefills its prompt
+            prompts, rows = [prompts[r] for r in rows.tolist()], torch.arange(len(rows))
         ids, valid = left_padded(prompts, pad_id)
         self.attention = valid.long()
         positions = (self.attention.cumsum(-1) - 1).clamp_min(0)
-        self.cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=self.attention, position_ids=positions, cache=self.cache,
                          use_cache=True)
         self.positions = positions[:, -1]
-        self.keep(rows)
+        if self.can_drop_rows:
+            self.keep(rows)
         return out.logits[:, -1].float()[rows]
 
     @torch.no_grad()
@@ -239,5 +250,6 @@ class TransformersStepper:
         return out.logits[:, -1].float()
 
     def keep(self, rows: torch.Tensor) -> None:
+        """As LlamaStepper.keep; only where can_drop_rows (the engine checks)."""
         self.cache.batch_select_indices(rows)
         self.attention, self.positions = self.attention[rows], self.positions[rows]
