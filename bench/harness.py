@@ -38,6 +38,9 @@ def gemm_flops_per_s(n: int, seconds: float) -> float:
     return 2.0 * n**3 / seconds
 
 
+HF_ARM = "nearpolicy-hf-bf16"  # the GRPO arm with the in-process bf16 engine (docs/results.md sec. 13)
+
+
 def decode_bound_tokens_per_s(gemm_flops: float, parameters: int) -> float:
     """The compute bound for decoding, tokens/s: GEMM peak / (2 x parameters)."""
     return gemm_flops / (2.0 * parameters)
@@ -104,8 +107,8 @@ def derive(res: dict) -> dict:
     grpo = res.get("grpo", {})
     if "nearpolicy" in grpo and "trl" in grpo:
         out["grpo_step_ratio"] = ratio(grpo["nearpolicy"]["step_s"], grpo["trl"]["step_s"])
-    if "nearpolicy-hf-bf16" in grpo and "trl" in grpo:
-        out["grpo_step_ratio_hf_bf16"] = ratio(grpo["nearpolicy-hf-bf16"]["step_s"], grpo["trl"]["step_s"])
+    if HF_ARM in grpo and "trl" in grpo:
+        out["grpo_step_ratio_hf_bf16"] = ratio(grpo[HF_ARM]["step_s"], grpo["trl"]["step_s"])
     if "nearpolicy" in grpo:
         out["diagnostics_overhead"] = grpo["nearpolicy"]["diagnostics_fraction"]
         if "nearpolicy-no-diagnostics" in grpo:
@@ -173,7 +176,7 @@ def render_markdown(res: dict, d: dict, command: str, notes: str = "", raw: str 
             lines += [f"nearpolicy / TRL step time: **{r['median']:.2f}** ({r['min']:.2f}-{r['max']:.2f}).", ""]
         if "grpo_step_ratio_hf_bf16" in d:
             r = d["grpo_step_ratio_hf_bf16"]
-            lines += [f"With the in-process bf16 engine (nearpolicy-hf-bf16: `engine.kind=hf`, `engine.hf_dtype=bf16`, "
+            lines += [f"With the in-process bf16 engine ({HF_ARM}: `engine.kind=hf`, `engine.hf_dtype=bf16`, "
                       f"run on CPUs with AMX; the target row uses the main job's llama.cpp q8_0 engine): "
                       f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}).", ""]
     tr = res.get("trainer")

@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import derive, render_markdown, step_times, summarize, train_flops_per_token  # noqa: E402
+from harness import HF_ARM, derive, render_markdown, step_times, summarize, train_flops_per_token  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLLOUTS = ["llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "hf:fp32", "hf:bf16", "transformers-generate",
             "transformers-generate+logprobs"]
-HF_ARM = "nearpolicy-hf-bf16"  # the GRPO arm with the in-process bf16 engine (docs/results.md sec. 13)
 HF_ENGINE = ("engine.kind=hf", "engine.hf_dtype=bf16")
 FULL = dict(prompts=4, group=8, new_tokens=128, grpo_new_tokens=64, grpo_steps=6, micro_batch=8, gemm_n=2048,
             gemm_inner=5, train_batch=8, train_seq=128, train_inner=3, eval_size=32, lr=2e-5)

@@ -144,75 +144,60 @@ def rollout(args) -> dict:
 
 
 def _time_forward(runner) -> list:
-    """Wrap the model-evaluation call (llama.cpp `_decode`, or the torch model's forward) with a timer; returns
-    a list whose [0] accumulates its seconds; [1] names what was timed; [2] (llama.cpp only) maps the number of
-    sequences decoded in one call (one token each) to [calls, seconds], the prompt prefill excluded. The rest of
-    a run is sampling, log-prob extraction and bookkeeping in Python / numpy / torch."""
+    """Wrap the model-evaluation call (llama.cpp `_decode`, the hf engine's stepper, or the torch model's forward)
+    with a timer; returns a list whose [0] accumulates its seconds; [1] names what was timed; [2] (llama.cpp and
+    hf) maps the sequences of one decode call (one token each; hf: the rows of its batch, finished ones not yet
+    compacted away included) to [calls, seconds], the prompt prefill excluded. The rest of a run is sampling,
+    log-prob extraction and bookkeeping in Python / numpy / torch."""
     acc = [0.0, "", {}]
     engine = getattr(runner, "engine", None)
+
+    def count_step(sequences: int, seconds: float) -> None:
+        calls = acc[2].setdefault(sequences, [0, 0.0])
+        calls[0] += 1
+        calls[1] += seconds
+
     if engine is not None and hasattr(engine, "_sampler"):  # llama.cpp: every decode call is a KVContext.decode
         from nearpolicy.engines.llama_context import KVContext
 
-        obj, attr, acc[1] = KVContext, "decode", "llama_decode (llama.cpp forward, logits copy)"
-    elif engine is not None and hasattr(engine, "_stepper"):  # the hf engine: prefill (start) and decode steps
-        _time_hf_stepper(engine._stepper, acc)
-        return acc
-    else:
-        obj, attr, acc[1] = runner.model, "forward", "torch model forward"
-    inner = getattr(obj, attr)
-
-    def timed(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            dt = time.perf_counter() - t0
-            acc[0] += dt
+        def count_decode(a, seconds):
             entries = next((x for x in a if isinstance(x, list)), None)  # (self, entries) on the class
-            if entries is not None and len({seq for _, _, seq, _ in entries}) == len(entries):  # one token per sequence
-                calls = acc[2].setdefault(len(entries), [0, 0.0])
-                calls[0] += 1
-                calls[1] += dt
+            if entries is not None and len({seq for _, _, seq, _ in entries}) == len(entries):  # one token a sequence
+                count_step(len(entries), seconds)
 
-    setattr(obj, attr, timed)
+        acc[1] = "llama_decode (llama.cpp forward, logits copy)"
+        KVContext.decode = _timed(KVContext.decode, acc, count_decode)
+    elif engine is not None and hasattr(engine, "_stepper"):  # the hf engine: prefill, decode steps, compaction
+        stepper = engine._stepper
+        acc[1] = f"{type(stepper).__name__} start + step + keep (torch forward, logits, compaction)"
+        stepper.keep = _timed(stepper.keep, acc)
+        stepper.start = _timed(stepper.start, acc)
+        stepper.step = _timed(stepper.step, acc, lambda a, seconds: count_step(len(a[0]), seconds))  # rows of the batch
+    else:
+        acc[1] = "torch model forward"
+        runner.model.forward = _timed(runner.model.forward, acc)
     return acc
 
 
-def _time_hf_stepper(stepper, acc: list) -> None:
-    """_time_forward for the hf engine: times its stepper's prefill and decode steps; acc[2] maps the rows of a
-    decode step (live sequences plus finished ones not yet compacted away) to [calls, seconds]."""
-    acc[1] = f"{type(stepper).__name__} start + step + keep (torch forward, logits, compaction)"
-    start, step, keep = stepper.start, stepper.step, stepper.keep
+_timing_depth = [0]  # timed calls in progress: a timed call inside another (start's own keep) is not added twice
 
-    inside_start = [False]
 
-    def timed_keep(rows):  # start's own keep is inside start's time already
+def _timed(fn, acc: list, record=None):
+    """`fn` with its seconds added to acc[0] (outermost timed calls only) and passed to record(args, seconds)."""
+
+    def timed(*a, **k):
         t0 = time.perf_counter()
+        _timing_depth[0] += 1
         try:
-            return keep(rows)
+            return fn(*a, **k)
         finally:
-            acc[0] += 0.0 if inside_start[0] else time.perf_counter() - t0
+            _timing_depth[0] -= 1
+            seconds = time.perf_counter() - t0
+            acc[0] += seconds if _timing_depth[0] == 0 else 0.0
+            if record is not None:
+                record(a, seconds)
 
-    def timed_start(*a, **k):
-        t0, inside_start[0] = time.perf_counter(), True
-        try:
-            return start(*a, **k)
-        finally:
-            inside_start[0] = False
-            acc[0] += time.perf_counter() - t0
-
-    def timed_step(ids):
-        t0 = time.perf_counter()
-        try:
-            return step(ids)
-        finally:
-            dt = time.perf_counter() - t0
-            acc[0] += dt
-            calls = acc[2].setdefault(len(ids), [0, 0.0])
-            calls[0] += 1
-            calls[1] += dt
-
-    stepper.start, stepper.step, stepper.keep = timed_start, timed_step, timed_keep
+    return timed
 
 
 def trainer(args) -> dict:

@@ -80,8 +80,9 @@ def test_buffers_made_in_inference_mode_serve_a_later_call_outside_it(tiny_model
 
 
 def test_left_padding_refuses_an_empty_prompt():
-    ids, valid = left_padded([(5, 6, 7), (8,)], pad_id=0)
+    ids, valid, positions = left_padded([(5, 6, 7), (8,)], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and valid.tolist() == [[True] * 3, [False, False, True]]
+    assert positions.tolist() == [[0, 1, 2], [0, 0, 0]]
     with pytest.raises(ValueError, match="at least one prompt token"):
         left_padded([(5,), ()], pad_id=0)
 
@@ -224,3 +225,16 @@ def test_a_hybrid_model_whose_cache_cannot_drop_rows_samples_through_the_plain_f
         reference = torch.log_softmax(logits[len(r.prompt_ids) - 1 : -1], -1)[torch.arange(len(r.completion_ids)),
                                                                            r.completion_ids]
         assert np.allclose(r.rollout_logprobs, reference.numpy(), atol=1e-4, rtol=0)
+
+
+def test_without_onednn_packing_the_stepper_falls_back_to_plain_linear(tiny_model, monkeypatch):
+    """A CPU or torch build where the packed linear does not run (checked once per dtype, _packing_works) must get
+    the same logits through F.linear."""
+    from nearpolicy.engines import hf_decode
+
+    monkeypatch.setattr(hf_decode, "_packing_works", lambda dtype: False)
+    stepper = LlamaStepper(tiny_model)
+    assert all(linear.packed is None for linear in [stepper.head] + [layer[1] for layer in stepper.layers])
+    logits = stepper.start(PROMPTS[:2], torch.tensor([0, 1]), 9, pad_id=2)
+    for prompt, row_logits in zip(PROMPTS[:2], logits):
+        assert torch.allclose(row_logits, _reference_logits(tiny_model, list(prompt)), atol=1e-4, rtol=0)

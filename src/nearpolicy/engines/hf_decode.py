@@ -8,7 +8,8 @@ Two steppers with one interface (`start`, `step`, `keep`), both returning float3
   (grouped-query attention without repeating the cache). The norms, rotary tables and activation are the
   transformers modules' own, so at fp32 the logits equal the transformers forward to float32 rounding
   (tests/test_hf_decode.py). Why: on a 2-core Xeon with AMX a bf16 decode step of SmolLM2-135M at 32 sequences
-  takes about a third of transformers' generate step (docs/results.md sec. 13).
+  takes 44 ms against 69 ms through the transformers forward, and rollouts run 2.2x faster (docs/results.md
+  sec. 13).
 - `TransformersStepper`, any other causal LM: the model's own forward on a transformers DynamicCache.
 
 Both prefill each distinct prompt once and copy its cache rows to every sample of it (a group's G samples share
@@ -18,6 +19,8 @@ and stay in the batch).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +35,10 @@ def make_stepper(model: torch.nn.Module):
     return LlamaStepper(model) if LlamaStepper.supports(model) else TransformersStepper(model)
 
 
-def left_padded(prompts: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [U, W] int64, valid [U, W] bool): prompts right-aligned (left padding) so each one's last token is in
-    the last column. Raises ValueError for an empty prompt (nothing to predict the first token from)."""
+def left_padded(prompts: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [U, W] int64, valid [U, W] bool, positions [U, W] int64): prompts right-aligned (left padding) so each
+    one's last token is in the last column; a token's position counts the real tokens before it (0 at padding).
+    Raises ValueError for an empty prompt (nothing to predict the first token from)."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("the hf engine needs at least one prompt token per request")
     width = max(len(p) for p in prompts)
@@ -43,7 +47,7 @@ def left_padded(prompts: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tens
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         valid[i, width - len(p):] = True
-    return ids, valid
+    return ids, valid, (valid.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def sample_rows_of(requests: list[GenerationRequest]) -> tuple[list[tuple[int, ...]], torch.Tensor]:
@@ -59,17 +63,29 @@ class _Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias, self.packed = weight.contiguous(), bias, None
-        if torch.backends.mkldnn.is_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
-                self.weight = None  # the packed copy is the one read
-            except (RuntimeError, AttributeError):  # no oneDNN kernel for this dtype / build: plain F.linear
-                self.packed = None
+        if _packing_works(self.weight.dtype):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)  # 32: the batch it is tuned for
+            self.weight = None  # the packed copy is the one read
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+@functools.lru_cache(maxsize=None)
+def _packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch and this CPU run a oneDNN pre-packed linear in `dtype` (checked once, on a 4 x 8 weight
+    against F.linear): oneDNN's bf16 kernels need AVX-512 BF16 or AMX, and some builds have no mkldnn ops."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    weight, x = torch.randn(4, 8).to(dtype), torch.randn(2, 8).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return torch.allclose(out.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
 
 
 def _joined(*modules: torch.nn.Linear) -> _Linear:
@@ -121,7 +137,7 @@ class LlamaStepper:
     def start(self, prompts: list[tuple[int, ...]], rows: torch.Tensor, capacity: int, pad_id: int) -> torch.Tensor:
         """Prefill the distinct `prompts` once, then give each of the B = len(rows) sequences a copy of its prompt's
         cache (`rows` [B] indexes `prompts`); room for `capacity` - W more tokens. Returns logits [B, V] float32."""
-        ids, valid = left_padded(prompts, pad_id)
+        ids, valid, positions = left_padded(prompts, pad_id)
         n, width = ids.shape
         self._reserve(max(n, len(rows)), capacity)
         self._live = 0
@@ -130,12 +146,11 @@ class LlamaStepper:
         allowed = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool)  # a pad query sees itself
         lowest = torch.finfo(self.dtype).min
         self.mask = torch.full((n, 1, 1, capacity), lowest, dtype=self.dtype)
-        self.mask[:, 0, 0, :width] = self.mask[:, 0, 0, :width].masked_fill(valid, 0.0)
-        self.positions = (valid.long().cumsum(-1) - 1).clamp_min(0)  # [U, W]
+        self.mask[:, 0, 0, :width].masked_fill_(valid, 0.0)
         self.width = width
         prompt_mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, lowest)
-        logits = self._forward(ids, self.positions, prompt_mask[:, None], 0)
-        self.positions = self.positions[:, -1]
+        logits = self._forward(ids, positions, prompt_mask[:, None], 0)
+        self.positions = positions[:, -1]
         self.keep(rows)
         return logits[rows]
 
@@ -231,9 +246,8 @@ class TransformersStepper:
         self.can_drop_rows = all(callable(getattr(layer, "batch_select_indices", None)) for layer in self.cache.layers)
         if not self.can_drop_rows:  # e.g. linear-attention layers of hybrid models: every sample prefills its prompt
             prompts, rows = [prompts[r] for r in rows.tolist()], torch.arange(len(rows))
-        ids, valid = left_padded(prompts, pad_id)
+        ids, valid, positions = left_padded(prompts, pad_id)
         self.attention = valid.long()
-        positions = (self.attention.cumsum(-1) - 1).clamp_min(0)
         out = self.model(input_ids=ids, attention_mask=self.attention, position_ids=positions, cache=self.cache,
                          use_cache=True)
         self.positions = positions[:, -1]
