@@ -1,4 +1,4 @@
-"""Cost of the precision-aligned trainer forward (aligned.py): forward + backward of one GRPO micro-batch of
+"""Cost of the precision-aligned trainer forward (model/aligned.py): forward + backward of one GRPO micro-batch of
 SmolLM2-135M-Instruct (8 sequences of a 54-token prompt + 32 completion tokens, one shared prompt group), plain vs
 aligned to the q8_0 engine and to q4_1 with q8_0 embeddings; median of 5 after one warm-up, one thread.
 
@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from nearpolicy.aligned import align_model
+from nearpolicy.model.aligned import align_model
 from nearpolicy.batching import collate
-from nearpolicy.models import default_model_gguf, load_policy
-from nearpolicy.policy import sequence_logprobs
+from nearpolicy.model.load import default_model_gguf, load_policy
+from nearpolicy.model.policy import sequence_logprobs
 from nearpolicy.types import Rollout, SamplingParams
 
 

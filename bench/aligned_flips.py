@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import nearpolicy.aligned as aligned
-from nearpolicy.engines.gguf_export import export_gguf
-from nearpolicy.engines.llamacpp import LlamaCppEngine
-from nearpolicy.models import default_model_gguf, load_policy
+import nearpolicy.model.aligned as aligned
+from nearpolicy.engines.gguf.export import export_gguf
+from nearpolicy.engines.factory import EngineInputs, EngineRequest, build_engine
+from nearpolicy.model.load import default_model_gguf, load_policy
 from nearpolicy.types import SamplingParams
 
 QUESTION = "What is 3 + 4? Answer briefly."
@@ -74,8 +74,10 @@ def main() -> None:
         if not path.exists():
             export_gguf(model.state_dict(), model.config, path, precision, template_gguf=default_model_gguf(),
                         tensor_precision=tensor_precision)
-        engine = LlamaCppEngine(path, max_context=256, max_parallel_sequences=1, threads=1, adaptive_threads=False,
-                                kv_cache=kv_cache)
+        request = EngineRequest("llamacpp", precision, max_context=256, max_parallel_sequences=1, threads=1,
+                                tensor_precision=tensor_precision, kv_cache=kv_cache, adaptive_threads=False,
+                                isolated=False)
+        engine = build_engine(request, EngineInputs(gguf=path))
         reference = np.array(engine.score(prompt, completion, SamplingParams()))
         engine.close()
         with aligned.align_model(model, precision, tensor_precision, kv_cache=kv_cache):

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from nearpolicy.doctor import cpu_model
-from nearpolicy.engines.llamacpp import LlamaCppEngine
-from nearpolicy.models import default_model_gguf
+from nearpolicy.engines.factory import EngineInputs, EngineRequest, build_engine
+from nearpolicy.model.load import default_model_gguf
 from nearpolicy.types import GenerationRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,8 +51,9 @@ def main() -> None:
             spinner.start()
         try:
             for name, (threads, adaptive) in SETTINGS.items():
-                engine = LlamaCppEngine(default_model_gguf(), max_context=128, max_parallel_sequences=8 * args.prompts,
-                                        threads=threads, adaptive_threads=adaptive)
+                request = EngineRequest("llamacpp", "q4_1", max_context=128, max_parallel_sequences=8 * args.prompts,
+                                        threads=threads, adaptive_threads=adaptive, isolated=False)
+                engine = build_engine(request, EngineInputs(gguf=default_model_gguf()))  # the shipped Q4_1 GGUF
                 try:
                     tps = measure(engine, requests, sampling, args.repeats)["tokens_per_s_median"]
                     used = engine.threads_used  # the last timed call's

@@ -1,6 +1,6 @@
 """Update erasure: how much of training's weight change a quantized engine receives (docs/results.md sec. 11).
 
-For each run folder and each of its checkpoints, the engine weights the exporter writes (engines/gguf_export.py, the
+For each run folder and each of its checkpoints, the engine weights the exporter writes (engines/gguf/export.py, the
 run's engine.precision / tensor_precision, under nearest and under stochastic rounding with the run's seed) are
 compared with those of the step-0 weights, over every tensor stored at a block type:
 - erased: among the weights training moved, the fraction whose engine value is still the step-0 one;
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from nearpolicy.aligned import engine_weight, module_precisions
-from nearpolicy.engines.export_rounding import STOCHASTIC_TYPES
-from nearpolicy.resume import stored_config
-from nearpolicy.models import load_policy
+from nearpolicy.model.aligned import engine_weight, module_precisions
+from nearpolicy.engines.gguf.rounding import STOCHASTIC_TYPES
+from nearpolicy.runs.start_checks import stored_config
+from nearpolicy.model.load import load_policy
 
 BLOCK_TYPES = ("q8_0", "q4_1", "q4_0", "q5_0", "mxfp4")
 
@@ -45,7 +45,7 @@ def measure(run_dir: Path, roundings: tuple[str, ...] = ("nearest", "stochastic"
     for rounding in roundings:
         if rounding == "stochastic" and not set(types.values()) <= set(STOCHASTIC_TYPES):
             print(f"{run_dir.name}: no stochastic rounding of {sorted(set(types.values()) - set(STOCHASTIC_TYPES))} "
-                  "(engines/export_rounding.py covers q8_0 and q4_1)", flush=True)
+                  "(engines/gguf/rounding.py covers q8_0 and q4_1)", flush=True)
             continue
         before = _engine(start, types, rounding, cfg.run.seed)
         for ckpt in sorted((run_dir / "checkpoints").glob("step_*")):

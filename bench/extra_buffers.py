@@ -18,15 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from nearpolicy.config import TaskConfig
+from nearpolicy.config.schema import TaskConfig
 from nearpolicy.doctor import SIMD_FLAGS, cpu_facts
 from nearpolicy.engines.base import EngineError
 from nearpolicy.engines.llama_lib import system_info
-from nearpolicy.engines.llamacpp import EngineSpec
-from nearpolicy.engines.process import ProcessEngine
-from nearpolicy.models import default_model_gguf, load_policy
-from nearpolicy.engines.gguf_export import export_model_gguf
-from nearpolicy.models import chat_prompt_ids
+from nearpolicy.engines.factory import EngineInputs, EngineRequest, build_engine
+from nearpolicy.model.load import default_model_gguf, load_policy
+from nearpolicy.engines.gguf.export import export_model_gguf
+from nearpolicy.model.load import chat_prompt_ids
 from nearpolicy.tasks import make_task
 from nearpolicy.types import GenerationRequest, SamplingParams
 
@@ -66,10 +65,11 @@ def main() -> None:
             path = export_model_gguf(model, Path(tmp), precision, (), default_model_gguf(), tokenizer)
             for extra in (False, True):
                 name = f"llamacpp:{precision} extra_buffers={'on' if extra else 'off'}"
-                spec = EngineSpec(str(path), 0, 512, args.prompts * args.group, args.threads, "f16", False, extra)
-                try:
-                    engine = ProcessEngine(spec, f"llamacpp:{precision}", log_path=Path(tmp) / "llamacpp.log",
-                                           probe_prompt=prompts[0])
+                request = EngineRequest("llamacpp", precision, max_context=512,
+                                        max_parallel_sequences=args.prompts * args.group, threads=args.threads,
+                                        kv_cache="f16", flash_attention=False, extra_buffers=extra, isolated=True)
+                try:  # its own process (log: tmp/llamacpp.log), probed with the first prompt before it is timed
+                    engine = build_engine(request, EngineInputs(gguf=path, workdir=Path(tmp), probe_prompt=prompts[0]))
                     results[name] = measure(engine, requests, sampling, args.repeats)
                     engine.close()
                 except EngineError as err:

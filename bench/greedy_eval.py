@@ -15,11 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from nearpolicy.config import TaskConfig
-from nearpolicy.engines.gguf_export import export_model_gguf
-from nearpolicy.engines.llamacpp import LlamaCppEngine
-from nearpolicy.models import chat_prompt_ids, default_model_gguf, load_policy
+from nearpolicy.config.schema import TaskConfig
+from nearpolicy.engines.gguf.export import export_model_gguf
+from nearpolicy.engines.factory import EngineInputs, EngineRequest, build_engine
+from nearpolicy.model.load import chat_prompt_ids, default_model_gguf, load_policy
 from nearpolicy.tasks import make_task
+
+PRECISION = "q8_0"  # the export's GGUF type (the default --gguf's name says it)
 
 
 def main() -> None:
@@ -38,10 +40,11 @@ def main() -> None:
     prompts = [chat_prompt_ids(tokenizer, TaskConfig().system_prompt, p.question) for p in problems]
     if not args.gguf.is_file():  # one export shared by every checkout compared
         args.gguf.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(export_model_gguf(model, Path(tempfile.mkdtemp()), "q8_0", (), default_model_gguf(), tokenizer),
+        os.replace(export_model_gguf(model, Path(tempfile.mkdtemp()), PRECISION, (), default_model_gguf(), tokenizer),
                    args.gguf)
-    engine = LlamaCppEngine(args.gguf, max_context=1024, max_parallel_sequences=64, threads=args.threads,
-                            adaptive_threads=False)
+    request = EngineRequest("llamacpp", PRECISION, max_context=1024, max_parallel_sequences=64, threads=args.threads,
+                            adaptive_threads=False, isolated=False)
+    engine = build_engine(request, EngineInputs(gguf=args.gguf))
     started = time.perf_counter()
     completions = engine.greedy(prompts, args.new_tokens)
     seconds = time.perf_counter() - started

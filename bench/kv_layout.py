@@ -17,9 +17,9 @@ import argparse
 import time
 from pathlib import Path
 
-from nearpolicy.config import TaskConfig
+from nearpolicy.config.schema import TaskConfig
 from nearpolicy.engines.llamacpp import LlamaCppEngine
-from nearpolicy.models import chat_prompt_ids, load_policy
+from nearpolicy.model.load import chat_prompt_ids, load_policy
 from nearpolicy.tasks import make_task
 from nearpolicy.types import GenerationRequest, SamplingParams
 
@@ -38,6 +38,7 @@ def main() -> None:
     sampling = SamplingParams(1.0, 1.0, 0, args.new_tokens)
     first = {}
     for unified in (True, False, True, False):
+        # Built directly, not by engines/factory.py: unified_kv is engine-internal, not an EngineRequest field.
         engine = LlamaCppEngine(args.gguf, max_context=1024, max_parallel_sequences=64, threads=args.threads,
                                 unified_kv=unified, adaptive_threads=False)
         try:

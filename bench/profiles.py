@@ -84,7 +84,10 @@ def _why(res: dict, d: dict, missed: list[str]) -> list[str]:
     if "rollout vs the decoding compute bound" in missed and best_name:
         p = nps[best_name].get("profile") or {}
         share = p.get("forward_s", 0) / p["total_s"] if p.get("total_s") else 0.0
-        llama = "llamacpp" in best_name
+        from nearpolicy.engines.factory import kind_of
+
+        kind = best_name.split()[-1].split(":")[0]  # "nearpolicy llamacpp:q8_0" -> "llamacpp"
+        llama = kind_of(kind).loads == "gguf"  # a GGUF-loading engine: llama.cpp's decode call; else hf's torch steps
         where = "llama.cpp's decode call" if llama else "the hf engine's prefill and decode steps (torch forward)"
         engine = "llama.cpp" if llama else "the decode step"
         text = (f"**Rollout vs the decoding bound.** {100 * share:.0f}% of {best_name}'s rollout time is inside "

@@ -12,20 +12,20 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from nearpolicy.config import TaskConfig
-from nearpolicy.engines.hf import HFEngine
-from nearpolicy.engines.llamacpp import LlamaCppEngine
-from nearpolicy.models import load_policy
-from nearpolicy.engines.gguf_export import export_model_gguf
-from nearpolicy.models import chat_prompt_ids, stop_token_ids
+from nearpolicy.config.schema import TaskConfig
+from nearpolicy.model.load import chat_prompt_ids, load_policy
 from nearpolicy.tasks import make_task
 from nearpolicy.types import GenerationRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_for import open_engine  # noqa: E402  ("kind:precision" -> engine, via engines/factory.py)
 
 
 def measure(engine, requests, sampling, repeats: int) -> dict:
@@ -60,21 +60,19 @@ def main() -> None:
     prompts = [chat_prompt_ids(tokenizer, TaskConfig().system_prompt, p.question) for p in task.eval_problems()]
     requests = [GenerationRequest(i, tuple(p), args.group) for i, p in enumerate(prompts)]
     sampling = SamplingParams(1.0, 1.0, 0, args.new_tokens)
-    from nearpolicy.models import default_model_gguf
-
+    batch = args.prompts * args.group
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in ("f16", "q8_0"):
-            path = export_model_gguf(model, Path(tmp), precision, (), default_model_gguf(), tokenizer)
-            engine = LlamaCppEngine(path, max_context=512, max_parallel_sequences=args.prompts * args.group,
-                                    threads=args.threads)
-            results[f"llamacpp:{precision}"] = measure(engine, requests, sampling, args.repeats)
+            config = f"llamacpp:{precision}"
+            engine = open_engine(config, model, tokenizer, Path(tmp), batch, args.threads)
+            results[config] = measure(engine, requests, sampling, args.repeats)
             engine.close()
-    with tempfile.TemporaryDirectory() as tmp:
-        stop_ids = stop_token_ids(model, tokenizer, default_model_gguf(), Path(tmp))
     for dtype in args.hf_dtypes:
-        engine = HFEngine(model, stop_ids, dtype=dtype, max_parallel_sequences=args.prompts * args.group)
-        results[f"hf:{dtype}"] = measure(engine, requests, sampling, args.repeats)
+        config = f"hf:{dtype}"
+        with tempfile.TemporaryDirectory() as tmp:
+            engine = open_engine(config, model, tokenizer, Path(tmp), batch, args.threads)
+        results[config] = measure(engine, requests, sampling, args.repeats)
         engine.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "threads": args.threads,

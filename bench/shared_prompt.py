@@ -1,6 +1,6 @@
 """One policy update (forward + backward of every micro-batch, gradient clipping, an optimizer step at lr 0) of the
 SmolLM2-135M policy with the shared-prompt path (algorithm.shared_prompt = true: each group's prompt runs once, its
-completions attend to it; policy.py) against the padded path (every row runs prompt + completion, padded to its
+completions attend to it; model/policy.py) against the padded path (every row runs prompt + completion, padded to its
 micro-batch's longest), on the main job's shapes: chain_sum chat-templated prompts (54 tokens), G = 8 samples per
 prompt, `--prompts` prompts, micro-batches of 8 rows, completion lengths drawn uniformly from [3, 40] (random ids).
 
@@ -24,13 +24,13 @@ import torch
 
 from harness import summarize
 from nearpolicy.batching import collate, forward_tokens
-from nearpolicy.config import TaskConfig, load_config
+from nearpolicy.config.schema import TaskConfig, load_config
 from nearpolicy.doctor import cpu_facts
-from nearpolicy.models import chat_prompt_ids, load_policy, pad_token_id
+from nearpolicy.model.load import chat_prompt_ids, load_policy, pad_token_id
 from nearpolicy.tasks import make_task
-from nearpolicy.trainer import _update_settings
+from nearpolicy.training.trainer import _update_settings
 from nearpolicy.types import Rollout, SamplingParams
-from nearpolicy.update import policy_update
+from nearpolicy.training.update import policy_update
 
 
 def make_rollouts(tokenizer, vocab: int, prompts: int, group: int, lengths: tuple[int, int], seed: int) -> list[Rollout]:

@@ -1,7 +1,7 @@
 """The greedy held-out eval of a tool-use config without training: accuracy with the tool (greedy episodes through
 the MCP server), without it (one greedy turn of task.system_prompt), and how often the model writes a usable call.
 It assembles the run exactly as `nearpolicy train` does (the policy exported to the engine's GGUF, the llama.cpp
-engine process, the tool server) and runs the Trainer's own eval path (trainer.greedy_eval), then prints the
+engine process, the tool server) and runs the Trainer's own eval path (RolloutSource.evaluate), then prints the
 figures as JSON. Nothing is trained; the run folder goes to a temporary directory.
 
     .venv/bin/python bench/tool_eval.py configs/tools.toml --set run.threads=1 --set task.eval_size=32 [--show 4]
@@ -18,11 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from nearpolicy.config import load_config
-from nearpolicy.phases import eval_metrics, response_text, score_texts
-from nearpolicy.setup import assemble
+from nearpolicy.config.schema import load_config
+from nearpolicy.training.phases import eval_metrics, response_text, score_texts
+from nearpolicy.training.assemble import assemble
 from nearpolicy.tasks.scoring import BoundedScorer
-from nearpolicy.trainer import greedy_eval
 
 
 def main() -> None:
@@ -45,8 +44,7 @@ def main() -> None:
             if args.sampled:
                 print(json.dumps(sampled_figures(rollouts, scorer, session, args.sampled), indent=1, sort_keys=True))
                 return
-            completions, results, extra = greedy_eval(rollouts, rollouts.eval_engine(), problems, session.prompt_ids,
-                                                      cfg.sampling.max_new_tokens, score)
+            completions, results, extra = rollouts.evaluate(rollouts.eval_engine(), problems, score)
             seconds = time.perf_counter() - started
         finally:
             scorer.close()

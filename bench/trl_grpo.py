@@ -41,9 +41,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nearpolicy.config import load_config
-    from nearpolicy.models import stop_token_ids
-    from nearpolicy.setup import build_task
+    from nearpolicy.config.schema import load_config
+    from nearpolicy.model.load import stop_token_ids
+    from nearpolicy.training.assemble import build_task
     from nearpolicy.tasks import safe_score
 
     cfg = load_config(Path(args.config), args.set)

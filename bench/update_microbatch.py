@@ -1,6 +1,6 @@
 """One GRPO micro-batch of SmolLM2-135M-Instruct in the update: a group (a 54-token prompt, G = 8 completions of
 20-60 tokens, the shared-prompt path), forward + backward under glibc's default allocator and under
-run.reuse_freed_memory (allocator.py), and the same group run forward only under no_grad, what the update pays for
+run.reuse_freed_memory (training/allocator.py), and the same group run forward only under no_grad, what the update pays for
 a group whose gradient is exactly 0 (update.inert_rows). Each arm runs in its own process (glibc's dynamic mmap
 threshold cannot be restored once changed), the arms alternated so drift hits all alike.
 Writes docs/bench/update_microbatch.json:
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from nearpolicy.allocator import reuse_freed_memory
+from nearpolicy.training.allocator import reuse_freed_memory
 from nearpolicy.batching import collate
 from nearpolicy.doctor import cpu_model
-from nearpolicy.models import default_model_gguf, load_policy
-from nearpolicy.policy import sequence_logprobs
+from nearpolicy.model.load import default_model_gguf, load_policy
+from nearpolicy.model.policy import sequence_logprobs
 from nearpolicy.types import Rollout, SamplingParams
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_for import open_engine  # noqa: E402  ("kind:precision" -> engine, via engines/factory.py)
 from rollout_throughput import measure  # noqa: E402
 
 from nearpolicy.doctor import cpu_model  # noqa: E402
@@ -30,32 +31,9 @@ from nearpolicy.doctor import cpu_model  # noqa: E402
 CONFIGS = ("llamacpp:f32", "llamacpp:q8_0", "hf:fp32", "vllm:fp32", "vllm:bf16")
 
 
-def open_engine(config: str, model, tokenizer, tmp: Path, batch: int, threads: int):
-    """The nearpolicy engine of `config` on the policy's weights (closed by the caller)."""
-    from nearpolicy.models import default_model_gguf, stop_token_ids
-
-    kind, precision = config.split(":")
-    stop_ids = stop_token_ids(model, tokenizer, default_model_gguf(), tmp)
-    if kind == "llamacpp":
-        from nearpolicy.engines.gguf_export import export_model_gguf
-        from nearpolicy.engines.llamacpp import LlamaCppEngine
-
-        path = export_model_gguf(model, tmp, precision, (), default_model_gguf(), tokenizer)
-        return LlamaCppEngine(path, max_context=512, max_parallel_sequences=batch, threads=threads)
-    if kind == "vllm":
-        from nearpolicy.engines.vllm_engine import VLLMProcessEngine
-
-        return VLLMProcessEngine(model.config, model.state_dict(), tmp / "vllm-weights", stop_ids=stop_ids,
-                                 max_context=512, max_parallel_sequences=batch, threads=threads, dtype=precision,
-                                 log_path=tmp / "vllm.log")
-    from nearpolicy.engines.hf import HFEngine
-
-    return HFEngine(model, stop_ids, dtype=precision, max_parallel_sequences=batch)
-
-
 def main() -> None:
-    from nearpolicy.config import TaskConfig
-    from nearpolicy.models import chat_prompt_ids, load_policy
+    from nearpolicy.config.schema import TaskConfig
+    from nearpolicy.model.load import chat_prompt_ids, load_policy
     from nearpolicy.tasks import make_task
     from nearpolicy.types import GenerationRequest, SamplingParams
 

@@ -1,9 +1,9 @@
 """Weight-sync cost on the llama.cpp engine: SmolLM2-135M-Instruct (fp32 trainer weights) synced into an engine
 process, the way the main job does it, by the two routes side by side in one run, repeats interleaved:
 
-- whole: the GGUF written whole (engines/gguf_export.export_model_gguf: metadata, tensors, fsync, atomic rename) and
-  the engine reloading it (the route of every sync before engines/gguf_inplace.py);
-- in place: engines/gguf_inplace.EngineGGUF rewriting the tensors of the file the engine maps, the engine dropping
+- whole: the GGUF written whole (engines/gguf/export.export_model_gguf: metadata, tensors, fsync, atomic rename) and
+  the engine reloading it (the route of every sync before engines/gguf/inplace.py);
+- in place: engines/gguf/inplace.EngineGGUF rewriting the tensors of the file the engine maps, the engine dropping
   its KV caches.
 
 Each sync follows a small perturbation of every weight (as an optimizer step would), and ends when the engine has
@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 
-from nearpolicy.engines.gguf_export import export_model_gguf
-from nearpolicy.engines.gguf_inplace import EngineGGUF
-from nearpolicy.engines.llamacpp import EngineSpec
-from nearpolicy.engines.process import ProcessEngine
-from nearpolicy.models import default_model_gguf, load_policy
+from nearpolicy.engines.gguf.export import export_model_gguf
+from nearpolicy.engines.gguf.inplace import EngineGGUF
+from nearpolicy.engines.factory import EngineInputs, EngineRequest, build_engine
+from nearpolicy.model.load import default_model_gguf, load_policy
 from nearpolicy.types import SamplingParams
 
 PROMPT, COMPLETION = [1, 504, 3287, 28, 1085, 6001], [400, 500, 600, 700, 2]
@@ -50,8 +49,11 @@ def main() -> None:
     engines = {}
     for route, path in (("whole", export_model_gguf(model, whole_dir, args.precision, (), template, tokenizer)),
                         ("in place", in_place())):
-        spec = EngineSpec(str(path), 0, 1024, 64, args.threads, "f16", False)
-        engines[route] = ProcessEngine(spec, f"llamacpp:{args.precision}", log_path=folder / f"{route}.log")
+        request = EngineRequest("llamacpp", args.precision, max_context=1024, max_parallel_sequences=64,
+                                threads=args.threads, kv_cache="f16", flash_attention=False, isolated=True)
+        logs = folder / "logs" / route  # a folder a route: each engine process logs to its llamacpp.log
+        logs.mkdir(parents=True, exist_ok=True)
+        engines[route] = build_engine(request, EngineInputs(gguf=path, workdir=logs))
     sync = {"whole": lambda: export_model_gguf(model, whole_dir, args.precision, (), template, tokenizer),
             "in place": in_place}
     times: dict[str, list[float]] = {route: [] for route in sync}

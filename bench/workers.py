@@ -25,8 +25,8 @@ import torch
 
 
 def _task_prompts(tokenizer, prompts: int) -> list[list[int]]:
-    from nearpolicy.config import TaskConfig
-    from nearpolicy.models import chat_prompt_ids
+    from nearpolicy.config.schema import TaskConfig
+    from nearpolicy.model.load import chat_prompt_ids
     from nearpolicy.tasks import make_task
 
     tc = TaskConfig()
@@ -51,20 +51,9 @@ def gemm(args) -> dict:
 
 class _NearpolicyRollout:
     def __init__(self, config: str, model, tokenizer, args, tmp: Path):
-        from nearpolicy.engines.gguf_export import export_model_gguf
-        from nearpolicy.models import default_model_gguf, stop_token_ids
+        from engine_for import open_engine  # bench/engine_for.py (bench/ is on the path of `python bench/workers.py`)
 
-        kind, precision = config.split(":")
-        batch = args.prompts * args.group
-        if kind == "llamacpp":
-            from nearpolicy.engines.llamacpp import LlamaCppEngine
-
-            path = export_model_gguf(model, tmp, precision, (), default_model_gguf(), tokenizer)
-            self.engine = LlamaCppEngine(path, max_context=512, max_parallel_sequences=batch, threads=args.threads)
-        else:
-            from nearpolicy.engines.hf import HFEngine
-
-            self.engine = HFEngine(model, stop_token_ids(model, tokenizer, default_model_gguf(), tmp), dtype=precision, max_parallel_sequences=batch)
+        self.engine = open_engine(config, model, tokenizer, tmp, args.prompts * args.group, args.threads)
 
     def run(self, prompts, group, new_tokens, seed) -> int:
         from nearpolicy.types import GenerationRequest, SamplingParams
@@ -81,8 +70,8 @@ class _Generate:
     def __init__(self, model, tokenizer, with_logprobs: bool, micro_batch: int):
         from transformers import GenerationConfig
 
-        from nearpolicy.models import default_model_gguf
-        from nearpolicy.models import stop_token_ids
+        from nearpolicy.model.load import default_model_gguf
+        from nearpolicy.model.load import stop_token_ids
 
         self.model = model.eval()
         with tempfile.TemporaryDirectory() as tmp:
@@ -120,7 +109,7 @@ class _Generate:
 
 
 def rollout(args) -> dict:
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model, tokenizer = load_policy("smollm2")
     prompts = _task_prompts(tokenizer, args.prompts)
@@ -201,7 +190,7 @@ def _timed(fn, acc: list, record=None):
 
 
 def trainer(args) -> dict:
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model, _ = load_policy("smollm2")
     model.train()
@@ -238,7 +227,7 @@ def trainer(args) -> dict:
 
 def export_hf(args) -> dict:
     """The fp32 SmolLM2 (dequantized from the shipped GGUF) as an HF folder, for TRL; skipped when present."""
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     out = Path(args.dir)
     if not (out / "config.json").is_file():

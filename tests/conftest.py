@@ -33,7 +33,7 @@ TINY_CONFIG = dict(
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The shipped SmolLM2-135M-Instruct Q4_1 GGUF."""
-    from nearpolicy.models import default_model_gguf
+    from nearpolicy.model.load import default_model_gguf
 
     return default_model_gguf()
 
@@ -68,7 +68,7 @@ def tiny_gguf_factory(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nearpolicy.engines.gguf_export import export_gguf
+    from nearpolicy.engines.gguf.export import export_gguf
 
     folder = tmp_path_factory.mktemp("tiny_gguf")
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)

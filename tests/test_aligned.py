@@ -1,4 +1,4 @@
-"""Precision alignment (aligned.py, ops/ggml_quant.py): the quantizer is ggml's bit for bit (the pinned library's
+"""Precision alignment (model/aligned.py, ops/ggml_quant.py): the quantizer is ggml's bit for bit (the pinned library's
 own AVX2 `quantize_row_q8_0` / `quantize_row_q8_1`, called through ctypes, and gguf-py's reference Q8_0); the
 aligned forward of the tiny llama matches the llama.cpp engine's log-probs within a stated bound for every
 quantized type, and far better than the plain forward; the straight-through gradient is the fp32 gradient where
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from nearpolicy.aligned import align_model, engine_weight, module_precisions
+from nearpolicy.model.aligned import align_model, engine_weight, module_precisions
 from nearpolicy.batching import collate
 from nearpolicy.ops.ggml_quant import fake_quant_q8, q8_1_sum_residual, quantize_q8_blocks, straight_through
-from nearpolicy.policy import sequence_logprobs
+from nearpolicy.model.policy import sequence_logprobs
 from nearpolicy.types import Rollout, SamplingParams
 
 SAMPLING = SamplingParams()
@@ -178,10 +178,10 @@ def test_straight_through_passes_gradient_unchanged_off_the_grid() -> None:
 
 @pytest.mark.parametrize("precision, rounding", [("q8_0", "nearest"), ("q4_1", "nearest"), ("q4_1", "stochastic")])
 def test_aligned_model_trains_every_parameter_on_the_shared_prompt_path(tiny_model_dir, precision, rounding) -> None:
-    """policy.py's shared-prompt path runs on the aligned model, agrees with its padded path, and the loss reaches
+    """model/policy.py's shared-prompt path runs on the aligned model, agrees with its padded path, and the loss reaches
     every weight (through the straight-through estimators); q4_1's block-sum term once cut the graph of every
     q4_1 layer, so only the tied embeddings trained."""
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model = load_policy(str(tiny_model_dir))[0]
     g = torch.Generator().manual_seed(5)
@@ -205,7 +205,7 @@ def test_aligned_model_trains_every_parameter_on_the_shared_prompt_path(tiny_mod
 def test_alignment_off_and_removed_change_nothing(tiny_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
-    from nearpolicy.config import Config
+    from nearpolicy.config.schema import Config
 
     assert Config().algorithm.precision_alignment == "off"
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
@@ -231,7 +231,7 @@ def test_alignment_off_and_removed_change_nothing(tiny_model_dir) -> None:
 
 
 def test_config_refuses_alignment_without_a_llamacpp_engine() -> None:
-    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="precision_alignment"):
         load_config(None, ["algorithm.precision_alignment=engine", "engine.flash_attention=true"])

@@ -1,4 +1,4 @@
-"""run.reuse_freed_memory: glibc keeps freed large blocks in the heap (allocator.py)."""
+"""run.reuse_freed_memory: glibc keeps freed large blocks in the heap (training/allocator.py)."""
 
 import platform
 import subprocess
@@ -12,7 +12,7 @@ glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 PROBE = """
 import ctypes
 
-from nearpolicy.allocator import release_freed_memory, reuse_freed_memory
+from nearpolicy.training.allocator import release_freed_memory, reuse_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -53,8 +53,9 @@ def test_a_large_block_comes_from_the_heap_only_when_switched_on():
 
 
 def test_the_trainer_session_applies_the_config_key(monkeypatch):
-    from nearpolicy import models, setup
-    from nearpolicy.config import load_config
+    from nearpolicy.model import load as models
+    from nearpolicy.training import assemble as setup
+    from nearpolicy.config.schema import load_config
 
     seen = []
     monkeypatch.setattr(setup, "reuse_freed_memory", seen.append)
@@ -72,7 +73,7 @@ def test_the_trainer_session_applies_the_config_key(monkeypatch):
 
 def test_switching_off_is_a_no_op_unless_it_was_switched_on(monkeypatch):
     """mallopt turns glibc's dynamic mmap threshold off for good: `False` must not call it in an untouched process."""
-    from nearpolicy import allocator
+    from nearpolicy.training import allocator
 
     calls = []
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import nearpolicy
-from nearpolicy.report import write_report
+from nearpolicy.runs.report import write_report
 
 PROMPTS = [f"Q{i}: is 1 < {i} & {i} > 0?" for i in range(12)]  # characters the report must escape
 REWARD = """

@@ -15,7 +15,7 @@ from nearpolicy.api import run_training
 from nearpolicy.arena.runner import run_arena
 from nearpolicy.arena.spec import load_arena
 from nearpolicy.arena.table import collapsed
-from nearpolicy.config import Config
+from nearpolicy.config.schema import Config
 
 REWARD = '''
 def reward(completion: str, **kwargs) -> float:

@@ -43,7 +43,7 @@ def two_versions(tiny_model_dir, smollm2_gguf, tmp_path_factory) -> tuple[Path, 
     """The tiny model as version 0 and, with its weights perturbed, as version 1 (f32 GGUFs)."""
     from transformers import AutoModelForCausalLM
 
-    from nearpolicy.engines.gguf_export import export_gguf
+    from nearpolicy.engines.gguf.export import export_gguf
 
     folder = tmp_path_factory.mktemp("versions")
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
@@ -150,7 +150,7 @@ def test_async_training_bounds_staleness_resyncs_and_resumes(tiny_gguf_factory, 
             assert after["staleness/fresh_only"] == 1 and after["staleness/off_policy_token_frac"] == 0
     state = json.loads((tmp_path / "async" / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
     assert state["scheduler"]["version"] == 4 and state["scheduler"]["consumed_groups"] == 8
-    from nearpolicy.report import write_report
+    from nearpolicy.runs.report import write_report
 
     write_report([tmp_path / "async"], tmp_path / "async.html")
     staleness = (tmp_path / "async.html").read_text().split(">Staleness<")[1].split("<h2")[0]

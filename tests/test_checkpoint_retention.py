@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nearpolicy.config import load_config
-from nearpolicy.runs import RunExistsError, list_checkpoints
+from nearpolicy.config.schema import load_config
+from nearpolicy.runs.folder import RunExistsError, list_checkpoints
 
 
 FULL = ["model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json"]
@@ -28,7 +28,7 @@ def _cfg(model_dir: Path, out: Path, *extra: str):
 @pytest.fixture
 def saves(monkeypatch) -> list[dict[str, list[str]]]:
     """After each checkpoint the trainer saves: {checkpoint folder: its files} of every checkpoint on disk."""
-    from nearpolicy import trainer as trainer_module
+    from nearpolicy.training import trainer as trainer_module
 
     real, seen = trainer_module.save_checkpoint, []
 
@@ -47,7 +47,7 @@ def _bytes(folder: Path) -> int:
 
 def test_keep_2_deletes_each_older_checkpoint_once_a_newer_is_saved_and_the_last_is_weights_only(
         tiny_model_dir, tmp_path, saves):
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     cfg = _cfg(tiny_model_dir, tmp_path, "logging.keep_checkpoints=2")
     open_trainer(cfg, log=lambda _: None).fit(progress=False)
@@ -65,7 +65,7 @@ def test_keep_2_deletes_each_older_checkpoint_once_a_newer_is_saved_and_the_last
 
 def test_keep_1_leaves_the_last_checkpoint_after_a_crash_and_only_the_last_step_at_the_end(
         tiny_model_dir, tmp_path, saves):
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     cfg = _cfg(tiny_model_dir, tmp_path, "logging.keep_checkpoints=1")
     trainer = open_trainer(cfg, log=lambda _: None)

@@ -37,7 +37,7 @@ def test_two_step_run_then_resume(tiny_gguf_factory, tmp_path):
     model = tiny_gguf_factory("f32")
     proc = _train(_base(model, tmp_path, "smoke", "engine.precision=q8_0"), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    startup = ["loading the policy", "exporting the policy to GGUF (q8_0) and starting the llama.cpp engine",
+    startup = ["loading the policy", "exporting the policy to GGUF (q8_0) and starting the llamacpp engine",
                "step 0: greedy eval"]  # each slow start-up phase is announced, in order
     assert sorted(startup, key=proc.stderr.find) == startup and all(line in proc.stderr for line in startup)
     run = tmp_path / "smoke"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from nearpolicy.cli import main
-from nearpolicy.config import ConfigError, load_config
-from nearpolicy.runs import write_json
+from nearpolicy.config.schema import ConfigError, load_config
+from nearpolicy.runs.folder import write_json
 from test_resume import save_small_checkpoint
 
 

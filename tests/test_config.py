@@ -2,7 +2,7 @@
 
 import pytest
 
-from nearpolicy.config import Config, ConfigError, load_config
+from nearpolicy.config.schema import Config, ConfigError, load_config
 
 
 def test_defaults_load_without_a_file():
@@ -166,7 +166,7 @@ def test_reward_timeout_is_validated():
 
 def test_every_key_has_a_doc_and_nearpolicy_config_prints_each_with_default_and_range(capsys):
     from nearpolicy.cli import main
-    from nearpolicy.config_reference import undocumented
+    from nearpolicy.config.reference import undocumented
 
     assert undocumented() == []
     assert main(["config"]) == 0
@@ -185,12 +185,12 @@ def test_every_key_has_a_doc_and_nearpolicy_config_prints_each_with_default_and_
 
 
 def test_choice_lists_and_defaults_have_one_source():
-    """config.py declares no list or default of its own where ops/, engines/, tasks/ or types.py hold one."""
+    """config/schema.py declares no list or default of its own where ops/, engines/, tasks/ or types.py hold one."""
     import typing
 
-    from nearpolicy.config_reference import allowed
-    from nearpolicy.engines.base import ENGINE_KINDS
-    from nearpolicy.engines.gguf_export import PRECISIONS, QTYPES
+    from nearpolicy.config.reference import allowed
+    from nearpolicy.engines.factory import ENGINES
+    from nearpolicy.engines.gguf.export import PRECISIONS, QTYPES
     from nearpolicy.engines.hf import DTYPES
     from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
     from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES
@@ -203,14 +203,14 @@ def test_choice_lists_and_defaults_have_one_source():
     from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS
     from nearpolicy.ops.self_normalize import SELF_NORMALIZE
     from nearpolicy.ops.turn_credit import DEFAULT_ANSWER_FORMAT, TURN_CREDIT, TurnCreditParams
-    from nearpolicy.proximal_policy import PROXIMALS
+    from nearpolicy.model.ewma import PROXIMALS
     from nearpolicy.tasks.factory import TASK_KINDS
     from nearpolicy.types import SamplingParams
 
     def choices(section: str, key: str) -> list[str]:
         return allowed(Config.model_fields[section].annotation.model_fields[key]).removeprefix("one of: ").split(", ")
 
-    expected = {("engine", "kind"): ENGINE_KINDS, ("engine", "precision"): PRECISIONS,
+    expected = {("engine", "kind"): tuple(ENGINES), ("engine", "precision"): PRECISIONS,
                 ("engine", "tensor_precision"): PRECISIONS, ("engine", "hf_dtype"): DTYPES,
                 ("engine", "kv_cache"): KV_CACHE_TYPES, ("engine", "vllm_dtype"): VLLM_DTYPES,
                 ("task", "kind"): TASK_KINDS,

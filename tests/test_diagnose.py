@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nearpolicy.config import load_config
+from nearpolicy.config.schema import load_config
 from nearpolicy.diagnosis import measure
 from nearpolicy.diagnosis.admission import admitted, bits_per_weight, make_budget, propose_recipe, verdict_line
 from nearpolicy.diagnosis.candidates import parse_candidate
@@ -208,8 +208,8 @@ def test_weights_only_rounds_each_tensor_exactly_as_the_engine_stores_it(tiny_mo
     import gguf
 
     from nearpolicy.diagnosis.measure import DiagnoseContext, engine_state_dict
-    from nearpolicy.engines.gguf_export import export_gguf
-    from nearpolicy.models import load_policy
+    from nearpolicy.engines.gguf.export import export_gguf
+    from nearpolicy.model.load import load_policy
 
     model, tokenizer = load_policy(str(tiny_model_dir))
     candidate = parse_candidate("llamacpp:q4_1,embeddings=q8_0,weights_only=true")
@@ -260,7 +260,7 @@ def test_weights_of_another_shape_are_a_clear_error(tiny_model_dir, tmp_path):
     from safetensors.torch import save_file
 
     from nearpolicy.diagnosis.run import load_model_weights
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model, _ = load_policy(str(tiny_model_dir))
     weights = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}

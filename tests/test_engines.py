@@ -8,7 +8,7 @@ import torch
 
 from nearpolicy.batching import collate
 from nearpolicy.engines.llamacpp import LlamaCppEngine
-from nearpolicy.policy import sequence_logprobs
+from nearpolicy.model.policy import sequence_logprobs
 from nearpolicy.types import GenerationRequest, SamplingParams
 
 # Measured on this machine (tiny model, f32 GGUF, f32 KV cache, no flash attention, vs transformers fp32):
@@ -19,7 +19,7 @@ PROMPTS = [(1, 504, 3287, 28, 1085, 6001), (1, 2683, 359, 253, 5356)]
 
 @pytest.fixture(scope="module")
 def tiny_policy(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model, tokenizer = load_policy(str(tiny_model_dir))
     return model.eval(), tokenizer
@@ -89,9 +89,9 @@ def test_every_engine_stops_on_llamacpps_complete_end_of_generation_set(tiny_pol
     """SmolLM2's llama.cpp EOG set is {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}; the hf engine used to stop on
     {2} only. Held against the llama.cpp engine over the whole vocabulary, for a GGUF with the template's metadata
     and for one whose metadata was written from the HF tokenizer (an HF-folder model)."""
-    from nearpolicy.engines.gguf_export import export_gguf
+    from nearpolicy.engines.gguf.export import export_gguf
     from nearpolicy.engines.hf import HFEngine
-    from nearpolicy.models import stop_token_ids
+    from nearpolicy.model.load import stop_token_ids
 
     model, tokenizer = tiny_policy
     from_tokenizer = tmp_path / "from-tokenizer.gguf"
@@ -106,7 +106,7 @@ def test_every_engine_stops_on_llamacpps_complete_end_of_generation_set(tiny_pol
 
 
 def test_chat_template_applied_once_with_at_most_one_bos(smollm2_tokenizer):
-    from nearpolicy.models import chat_prompt_ids
+    from nearpolicy.model.load import chat_prompt_ids
 
     ids = chat_prompt_ids(smollm2_tokenizer, "Be brief.", "What is 2 + 3?")
     start = smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -165,8 +165,8 @@ def test_decode_counts_without_a_call_and_for_an_engine_that_does_not_count():
 # -- weight sync (invariant 9) --------------------------------------------------------------------
 @pytest.mark.parametrize("precision", ["f32", "q8_0"])
 def test_sync_matches_a_fresh_engine_and_is_idempotent(tiny_model_dir, tiny_gguf_factory, tmp_path, precision):
-    from nearpolicy.engines.gguf_export import export_gguf
-    from nearpolicy.models import load_policy
+    from nearpolicy.engines.gguf.export import export_gguf
+    from nearpolicy.model.load import load_policy
 
     model, _ = load_policy(str(tiny_model_dir))
     sampling = SamplingParams(1.0, 1.0, 0, 8)

@@ -215,7 +215,7 @@ def test_a_tool_server_that_dies_inside_a_replica_is_an_error_observation(tok, f
 
 
 def test_episodes_on_the_replicas_are_accepted_and_vllm_is_still_refused():
-    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.config.schema import ConfigError, load_config
 
     cfg = load_config(None, ["episode.enabled=true", "rollout.engines=1", "rollout.staleness=1", "rollout.partial=true"])
     assert cfg.episode.enabled and cfg.rollout.engines == 1 and cfg.rollout.partial

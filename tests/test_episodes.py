@@ -87,7 +87,7 @@ def framing(tok):
 
 @pytest.fixture(scope="module")
 def prompt(tok):
-    from nearpolicy.models import chat_prompt_ids
+    from nearpolicy.model.load import chat_prompt_ids
 
     return chat_prompt_ids(tok, "Use the calculator.", "Solve the following multiplication: 17 * 23.")
 
@@ -301,13 +301,13 @@ def _episode_rollouts(tok, framing, prompt, completions: int = 3) -> list[Rollou
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     return load_policy(str(tiny_model_dir))[0]
 
 
 def test_the_shared_prompt_path_is_exact_with_observation_tokens_inside_completions(tok, framing, prompt, tiny):
-    from nearpolicy.policy import sequence_logprobs
+    from nearpolicy.model.policy import sequence_logprobs
 
     rollouts = _episode_rollouts(tok, framing, prompt)
     assert all(not all(r.model_mask) for r in rollouts)
@@ -330,8 +330,8 @@ def test_the_policy_loss_and_the_mismatch_metrics_ignore_observation_tokens(tok,
     from nearpolicy.ops.correction_presets import correction_spec
     from nearpolicy.ops.diagnostics import mismatch_metrics
     from nearpolicy.ops.losses import PolicyLossParams
-    from nearpolicy.policy import recompute_logprobs
-    from nearpolicy.update import UpdateSettings, policy_update
+    from nearpolicy.model.policy import recompute_logprobs
+    from nearpolicy.training.update import UpdateSettings, policy_update
 
     rollouts = _episode_rollouts(tok, framing, prompt)
     batch = collate(rollouts, PAD, VOCAB)
@@ -370,7 +370,7 @@ def test_the_policy_loss_and_the_mismatch_metrics_ignore_observation_tokens(tok,
     (["episode.max_turns=0"], "episode.max_turns"),
 ])
 def test_unsupported_episode_configs_are_refused_naming_the_keys(sets, message):
-    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, sets)
@@ -379,8 +379,8 @@ def test_unsupported_episode_configs_are_refused_naming_the_keys(sets, message):
 def test_the_tools_config_runs_episodes_on_the_main_jobs_model_and_engine():
     from pathlib import Path
 
-    from nearpolicy.config import load_config
-    from nearpolicy.config_reference import config_toml
+    from nearpolicy.config.schema import load_config
+    from nearpolicy.config.reference import config_toml
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "tools.toml")
     assert cfg.episode.enabled and cfg.engine.kind == "llamacpp" and cfg.model.path == "smollm2"
@@ -390,7 +390,7 @@ def test_the_tools_config_runs_episodes_on_the_main_jobs_model_and_engine():
     assert parse_tool_call(cfg.episode.example[1]["content"]) == ToolCall("calculator", {"expression": "25 * 31"})
     import tomllib
 
-    from nearpolicy.config import config_from_data
+    from nearpolicy.config.schema import config_from_data
 
     assert config_from_data(tomllib.loads(config_toml(cfg))) == cfg  # the dry-run TOML reads back
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import pytest
 import torch
 
-from nearpolicy.config import load_config
+from nearpolicy.config.schema import load_config
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.rollouts.episodes import EpisodeRollouts
 from nearpolicy.tasks.base import Problem
@@ -98,9 +98,9 @@ def _two_steps(model_path, tmp_path, extra: list[str] = (), replicas: bool = Fal
     server), the first turn of every episode scripted to call the calculator: (step rows, eval metrics, the call /
     observation ids). `replicas`: on one asynchronous f32 llama.cpp replica with partial rollouts, scripted the same
     way (FirstTurnCallsSpec), the tool server in the replica's process."""
-    from nearpolicy import setup
+    from nearpolicy.training import assemble as setup
     from nearpolicy.rollouts.episode_replicas import EpisodeReplicaRollouts
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     from nearpolicy.tools.protocol import ObservationFraming
 
@@ -177,7 +177,7 @@ def test_step_metrics_give_the_k3_of_each_turn_from_the_last_collect():
 
 def test_the_hf_engine_honours_each_requests_own_token_limit(tiny_model_dir):
     from nearpolicy.engines.hf import HFEngine
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     engine = HFEngine(load_policy(str(tiny_model_dir))[0], {0, 2, 4})
     requests = [GenerationRequest(0, (1, 50, 60), 1, max_new_tokens=3), GenerationRequest(1, (1, 70), 1)]

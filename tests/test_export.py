@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from nearpolicy.cli import main
-from nearpolicy.config import load_config
+from nearpolicy.config.schema import load_config
 from nearpolicy.engines.llamacpp import LlamaCppEngine
-from nearpolicy.export import export_run
-from nearpolicy.models import chat_prompt_ids, load_policy
+from nearpolicy.runs.export import export_run
+from nearpolicy.model.load import chat_prompt_ids, load_policy
 from nearpolicy.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def trained(tiny_gguf_factory, tmp_path_factory):
     """(run folder, the trainer's final model and tokenizer, the initial model): 2 steps from the tiny f32 GGUF on the
     hf engine; the tiny model earns no reward, so AdamW's decoupled weight decay (lr x decay = 0.1 a step) is what
     moves the weights, well beyond every bound below. The last checkpoint is weights-only."""
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     out = tmp_path_factory.mktemp("runs")
     gguf_path = tiny_gguf_factory("f32")

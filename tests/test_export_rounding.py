@@ -1,4 +1,4 @@
-"""Stochastic rounding at export (engines/export_rounding.py): unbiased, on nearest rounding's grid, a pure function of
+"""Stochastic rounding at export (engines/gguf/rounding.py): unbiased, on nearest rounding's grid, a pure function of
 seed and weights, and exactly the weights the precision-aligned trainer uses."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from nearpolicy.aligned import align_model, engine_weight
-from nearpolicy.config import ConfigError, config_from_data
-from nearpolicy.engines.export_rounding import check_rounding, dither
-from nearpolicy.engines.gguf_export import _permute, export_gguf
+from nearpolicy.model.aligned import align_model, engine_weight
+from nearpolicy.config.schema import ConfigError, config_from_data
+from nearpolicy.engines.gguf.rounding import check_rounding, dither
+from nearpolicy.engines.gguf.export import _permute, export_gguf
 from nearpolicy.types import SamplingParams
 
 Q = gguf.GGMLQuantizationType
@@ -188,7 +188,7 @@ def test_nearpolicy_export_writes_the_runs_own_stochastic_draw(tiny_model_dir, t
     import json
     import shutil
 
-    from nearpolicy.export import export_run
+    from nearpolicy.runs.export import export_run
 
     cfg = config_from_data({"model": {"path": str(tiny_model_dir)}, "run": {"seed": 7},
                             "engine": {"precision": "q8_0", "export_rounding": "stochastic"}})

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from nearpolicy.engines import gguf_export
-from nearpolicy.engines.gguf_export import PRECISIONS, QTYPES, export_gguf
-from nearpolicy.models import load_policy, resolve_model
+from nearpolicy.engines.gguf import export as gguf_export
+from nearpolicy.engines.gguf.export import PRECISIONS, QTYPES, export_gguf
+from nearpolicy.model.load import load_policy, resolve_model
 
 TOKENS = [1, 9690, 198, 2683, 314, 253, 5356, 30]
 

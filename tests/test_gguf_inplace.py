@@ -1,4 +1,4 @@
-"""Weight sync by rewriting the engine's GGUF in place (engines/gguf_inplace.py, LlamaCppEngine.update_weights):
+"""Weight sync by rewriting the engine's GGUF in place (engines/gguf/inplace.py, LlamaCppEngine.update_weights):
 the rewritten file is byte for byte a fresh export, an engine mapping it behaves exactly like a fresh engine on the
 new weights with no cache of the old ones (invariant 9), and every case the rewrite cannot serve falls back to a
 whole file and a reload."""
@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
-from nearpolicy.engines import gguf_export, gguf_inplace
+from nearpolicy.engines.gguf import export as gguf_export, inplace as gguf_inplace
 from nearpolicy.engines.base import RewrittenGGUF, file_id
-from nearpolicy.engines.gguf_export import export_gguf
-from nearpolicy.engines.gguf_inplace import EngineGGUF
+from nearpolicy.engines.gguf.export import export_gguf
+from nearpolicy.engines.gguf.inplace import EngineGGUF
 from nearpolicy.engines.llamacpp import LlamaCppEngine
 from nearpolicy.types import GenerationRequest, SamplingParams
 
@@ -24,7 +24,7 @@ SAMPLING = SamplingParams(1.0, 1.0, 0, 8)
 
 @pytest.fixture
 def model(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     return load_policy(str(tiny_model_dir))[0]
 

@@ -1,4 +1,4 @@
-"""Threaded GGUF quantization (engines/gguf_quantize.py): the same bytes as gguf-py's single-threaded quantizer for
+"""Threaded GGUF quantization (engines/gguf/quantize.py): the same bytes as gguf-py's single-threaded quantizer for
 every export precision, through ggml's quantizer and through the gguf-py fallback, whatever the chunking and thread
 count."""
 
@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from nearpolicy.engines import gguf_quantize
-from nearpolicy.engines.gguf_export import PRECISIONS, QTYPES
+from nearpolicy.engines.gguf import quantize as gguf_quantize
+from nearpolicy.engines.gguf.export import PRECISIONS, QTYPES
 
 
 def _weights(rows: int, cols: int, seed: int) -> np.ndarray:

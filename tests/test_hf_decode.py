@@ -146,7 +146,7 @@ def test_hf_engine_weight_sync_reaches_the_packed_weights(tiny_model):
 
 
 def _tiny(config_class, model_class, **extra):
-    from nearpolicy.models import load_policy  # noqa: F401  (the package's transformers settings)
+    from nearpolicy.model.load import load_policy  # noqa: F401  (the package's transformers settings)
 
     torch.manual_seed(1)
     config = config_class(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

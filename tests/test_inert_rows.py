@@ -14,7 +14,7 @@ from nearpolicy.ops.correction_presets import correction_spec
 from nearpolicy.ops.losses import (ADVANTAGE_PROPORTIONAL_LOSSES, POLICY_LOSSES, PolicyLossInput, PolicyLossParams,
                                    policy_loss, required_aggregation)
 from nearpolicy.types import Rollout, SamplingParams
-from nearpolicy.update import UpdateSettings, inert_rows, policy_update
+from nearpolicy.training.update import UpdateSettings, inert_rows, policy_update
 
 SAMPLING = SamplingParams(0.9, 1.0, 0, 8)
 VOCAB, PAD = 49152, 2
@@ -67,7 +67,7 @@ def test_inert_rows_are_the_zero_advantage_rows_and_only_without_other_terms():
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     return load_policy(str(tiny_model_dir))[0]
 
@@ -87,7 +87,7 @@ def _batch():
 def _run(model, batch, advantages_per_step, settings, skip: bool, monkeypatch):
     """AdamW steps of policy_update (one batch of advantages per step): metrics and the weights at the end."""
     if not skip:
-        monkeypatch.setattr("nearpolicy.update.inert_rows", lambda adv, mask, *a: torch.zeros(len(mask), dtype=torch.bool))
+        monkeypatch.setattr("nearpolicy.training.update.inert_rows", lambda adv, mask, *a: torch.zeros(len(mask), dtype=torch.bool))
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     results = [policy_update(model, optimizer, batch, None, adv, SAMPLING, settings) for adv in advantages_per_step]

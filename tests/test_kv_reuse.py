@@ -60,7 +60,7 @@ def _trainer_logprobs(model, prompt, completion) -> np.ndarray:
 
 
 def test_a_continued_turn_samples_what_a_fresh_prefill_samples(engines, tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     reusing, fresh = engines
     sampling = SamplingParams(1.0, 1.0, 0, 7)

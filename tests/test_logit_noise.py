@@ -119,8 +119,8 @@ def test_llamacpp_engine_samples_with_the_configured_noise(tiny_gguf_factory):
 
 
 def test_config_key_is_validated_and_documented():
-    from nearpolicy.config import ConfigError, load_config
-    from nearpolicy.config_reference import config_reference
+    from nearpolicy.config.schema import ConfigError, load_config
+    from nearpolicy.config.reference import config_reference
 
     assert load_config(None, ["engine.logit_noise=0.5"]).engine.logit_noise == 0.5
     with pytest.raises(ConfigError, match="engine.logit_noise"):

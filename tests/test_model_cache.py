@@ -1,4 +1,4 @@
-"""The GGUF -> Hugging Face conversion cache (models.convert_gguf): a cached load is the direct transformers load,
+"""The GGUF -> Hugging Face conversion cache (model.load.convert_gguf): a cached load is the direct transformers load,
 bit for bit (weights, tokenizer, chat template), and a damaged GGUF is never cached."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nearpolicy import models
+from nearpolicy.model import load as models
 
 
 @pytest.fixture

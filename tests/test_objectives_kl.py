@@ -4,7 +4,7 @@ sum_y pi_old(y) grad penalty(y) against autograd of the true KL(pi || pi_ref) (i
 import pytest
 import torch
 
-from nearpolicy.config import load_config
+from nearpolicy.config.schema import load_config
 from nearpolicy.ops.kl import KL_ESTIMATORS, kl_penalty_tokens
 
 LOGITS = [1.0, 0.0, -1.0, 0.5]

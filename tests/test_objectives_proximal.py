@@ -43,7 +43,7 @@ def test_ewma_update_is_the_bias_corrected_weighted_average():
 
 
 def test_ewma_proximal_gives_the_ratio_and_a_detached_weight_against_the_ewma_logprobs():
-    """Invariant 11 on the trainer's path (update.py): proximal_logprobs("ewma") feeds both the loss's ratio
+    """Invariant 11 on the trainer's path (training/update.py): proximal_logprobs("ewma") feeds both the loss's ratio
     exp(lp - ewma) and the mismatch weight exp(ewma - rollout), which is detached even when ewma carries a graph."""
     lp, ewma, rollout, adv, mask = _case(1)
     old = ewma + 0.1  # must not be read for proximal "ewma"

@@ -1,4 +1,4 @@
-"""The proximal policy selectable in the trainer (proximal_policy.py): PPO-EWMA model, its checkpointing, and the
+"""The proximal policy selectable in the trainer (model/ewma.py): PPO-EWMA model, its checkpointing, and the
 A-3PO staleness interpolation, on the tiny model and on tensors."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from nearpolicy.batching import collate
 from nearpolicy.ops.corrections import CorrectionSpec
 from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.ops.proximal import a3po_behaviour_proximal
-from nearpolicy.proximal_policy import EwmaPolicy, restore_proximal
-from nearpolicy.runs import load_checkpoint, load_extra_tensors, save_checkpoint
+from nearpolicy.model.ewma import EwmaPolicy, restore_proximal
+from nearpolicy.runs.folder import load_checkpoint, load_extra_tensors, save_checkpoint
 from nearpolicy.types import Rollout, SamplingParams
-from nearpolicy.policy import recompute_logprobs
-from nearpolicy.update import UpdateSettings, policy_update
+from nearpolicy.model.policy import recompute_logprobs
+from nearpolicy.training.update import UpdateSettings, policy_update
 
 SAMPLING = SamplingParams(0.9, 1.0, 0, 8)
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
@@ -26,7 +26,7 @@ ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
 
 @pytest.fixture(scope="module")
 def model_and_batch(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model, _ = load_policy(str(tiny_model_dir))
     g = torch.Generator().manual_seed(1)
@@ -210,7 +210,7 @@ def test_self_normalised_is_loss_does_not_depend_on_the_micro_batch_size(model_a
 
 
 def test_config_rejects_a_non_old_proximal_in_bypass_mode_and_a_decay_of_one():
-    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.config.schema import ConfigError, load_config
 
     cfg = load_config(None, ["correction.proximal='ewma'", "correction.ewma_decay=0.5"])
     assert cfg.correction.proximal == "ewma" and cfg.correction.ewma_decay == 0.5

@@ -1,4 +1,4 @@
-"""ECHO's observation loss through policy_update (update.py, ops/observation_loss.py; arXiv:2605.24517): with
+"""ECHO's observation loss through policy_update (training/update.py, ops/observation_loss.py; arXiv:2605.24517): with
 algorithm.observation_loss_coef > 0 the loss of a mini-batch is the policy loss plus coef x the token-mean
 cross-entropy of its tool-observation tokens under the raw (T = 1) distribution, the same for any micro-batch split;
 with 0 the update is the plain one."""
@@ -13,16 +13,16 @@ import torch
 from nearpolicy.batching import collate
 from nearpolicy.ops.corrections import CorrectionSpec
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.policy import recompute_logprobs
+from nearpolicy.model.policy import recompute_logprobs
 from nearpolicy.types import Rollout, SamplingParams
-from nearpolicy.update import UpdateSettings, policy_update
+from nearpolicy.training.update import UpdateSettings, policy_update
 
 SAMPLING = SamplingParams(0.8, 1.0, 20, 8)  # not the identity transform: the raw log-probs differ from the loss's
 
 
 @pytest.fixture(scope="module")
 def model_and_batch(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model = load_policy(str(tiny_model_dir))[0]
     g = torch.Generator().manual_seed(3)

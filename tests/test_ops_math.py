@@ -152,7 +152,7 @@ def test_dual_clip_must_exceed_one():
         ppo_clip_loss(PolicyLossInput(lp, old, adv, mask, 1), dual_clip=0.5)  # PolicyLossParams refuses it
 
 
-# -- TIS / corrections (invariants 5, 11), through update.py's entry point ------------------------
+# -- TIS / corrections (invariants 5, 11), through training/update.py's entry point ------------------------
 def token_correction_weights(old, rollout, mask, has, action, lower=0.0, upper=math.inf):
     """Decoupled token-level weights and metrics: mismatch_correction with proximal = old (correction.proximal
     = "old"); the current log-probs are not read in decoupled mode."""

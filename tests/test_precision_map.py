@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from nearpolicy.config import ConfigError, load_config
-from nearpolicy.engines.gguf_export import export_gguf
-from nearpolicy.engines.gguf_export import round_to_precision
-from nearpolicy.engines.precision_map import describe, precision_for, validate_selector
+from nearpolicy.config.schema import ConfigError, load_config
+from nearpolicy.engines.gguf.export import export_gguf
+from nearpolicy.engines.gguf.export import round_to_precision
+from nearpolicy.engines.gguf.precision_map import describe, precision_for, validate_selector
 
 
 def test_selectors_and_last_match_wins():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nearpolicy.config import load_config
+from nearpolicy.config.schema import load_config
 from nearpolicy.tasks import make_task, safe_score
 from nearpolicy.tasks.factory import describe_task
 from nearpolicy.tasks.python_reward import PythonRewardTask, check_reward, load_reward_function
@@ -234,7 +234,7 @@ def test_options_on_a_jsonl_task_say_what_to_do(tmp_path):
 
 
 def test_the_config_rejects_a_malformed_spec():
-    from nearpolicy.config import ConfigError
+    from nearpolicy.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="task.reward_function"):
         load_config(None, ["task.reward_function='just_a_name'"])

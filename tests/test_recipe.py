@@ -12,7 +12,7 @@ import torch
 from nearpolicy.ops.losses import PolicyLossInput, PolicyLossParams, policy_loss
 from nearpolicy.ops.logprobs import token_logprobs_and_entropy
 from nearpolicy.ops.schedule import learning_rate
-from nearpolicy.update import policy_update
+from nearpolicy.training.update import policy_update
 from test_trainer_families import _run
 from test_update import SAMPLING, _settings, model_and_batch  # noqa: F401 - the fixture
 
@@ -74,7 +74,7 @@ def test_entropy_bonus_needs_the_entropy():
 def test_epochs_run_every_minibatch_once_per_epoch(model_and_batch):  # noqa: F811
     from dataclasses import replace
 
-    from nearpolicy.policy import recompute_logprobs
+    from nearpolicy.model.policy import recompute_logprobs
 
     model, batch = model_and_batch
     model = copy.deepcopy(model)
@@ -100,7 +100,7 @@ def test_trainer_applies_the_schedule_epochs_and_entropy_bonus(tiny_model_dir, t
 
 
 def test_warmup_must_end_before_the_run_does():
-    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"algorithm\.warmup_steps \(5\) must be below run\.steps \(5\)"):
         load_config(None, ["run.steps=5", "algorithm.warmup_steps=5"])
@@ -110,9 +110,9 @@ def test_warmup_must_end_before_the_run_does():
 def test_a_resume_may_not_stretch_a_decaying_schedule(tmp_path):
     import json
 
-    from nearpolicy.config import load_config
-    from nearpolicy.resume import check_same_config
-    from nearpolicy.runs import RunExistsError
+    from nearpolicy.config.schema import load_config
+    from nearpolicy.runs.start_checks import check_same_config
+    from nearpolicy.runs.folder import RunExistsError
 
     saved = tmp_path / "config.json"
     cosine = ["algorithm.lr_schedule=cosine", "run.steps=10"]

@@ -22,10 +22,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nearpolicy import resume, runs
-from nearpolicy.config import Config, ConfigError, load_config
-from nearpolicy.guards import BadStepGuard, NonFiniteError, check_prompt_lengths, step_fault
-from nearpolicy.runs import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from nearpolicy.runs import start_checks as resume
+from nearpolicy.runs import folder as runs
+from nearpolicy.config.schema import Config, ConfigError, load_config
+from nearpolicy.training.guards import BadStepGuard, NonFiniteError, check_prompt_lengths, step_fault
+from nearpolicy.runs.folder import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 
 
 # ---------------------------------------------------------------- checkpoints: full disk, non-finite weights, kills
@@ -111,7 +112,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_every_kind_of_non_finite_weight_stops_the_export(bad):
-    from nearpolicy.guards import check_finite_weights
+    from nearpolicy.training.guards import check_finite_weights
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     check_finite_weights(model, 1)  # finite: nothing raised
@@ -153,7 +154,7 @@ def test_a_restored_optimizer_keeps_this_runs_implementation(saved_fused, run_fu
 
 
 def test_training_uses_fused_adamw_unless_the_trainer_is_aligned(tiny_model_dir, tmp_path):
-    from nearpolicy.setup import build_session
+    from nearpolicy.training.assemble import build_session
 
     for alignment, fused in (("off", True), ("engine", False)):
         cfg = load_config(None, [f"model.path='{tiny_model_dir}'", f"algorithm.precision_alignment={alignment}",
@@ -165,8 +166,8 @@ def test_training_uses_fused_adamw_unless_the_trainer_is_aligned(tiny_model_dir,
 _KILL_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch
     from pathlib import Path
-    from nearpolicy import runs
-    from nearpolicy.runs import save_checkpoint
+    from nearpolicy.runs import folder as runs
+    from nearpolicy.runs.folder import save_checkpoint
     run_dir, where, ready = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     torch.set_num_threads(1)  # as _small_model
     torch.manual_seed(0)
@@ -400,8 +401,8 @@ def test_ctrl_c_whose_keyboardinterrupt_a_finalizer_drops_still_stops_the_startu
     """A real SIGINT while start-up code runs a finalizer (tqdm.__del__ or a weakref callback as transformers'
     "Loading weights" bar ends): Python drops that KeyboardInterrupt ("Exception ignored in ..."). The start-up
     still ends with exit 130 and closes the trainer it built, instead of training on (seen in an arena)."""
-    import nearpolicy.trainer
-    from nearpolicy.training_run import build_trainer
+    import nearpolicy.training.trainer
+    from nearpolicy.training.run import build_trainer
 
     class Finalized:
         def __del__(self):
@@ -419,7 +420,7 @@ def test_ctrl_c_whose_keyboardinterrupt_a_finalizer_drops_still_stops_the_startu
         Finalized()  # collected at once: its __del__ gets the Ctrl-C
         return built
 
-    monkeypatch.setattr(nearpolicy.trainer, "open_trainer", open_trainer)
+    monkeypatch.setattr(nearpolicy.training.trainer, "open_trainer", open_trainer)
     monkeypatch.setattr(sys, "unraisablehook", dropped.append)
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in `nearpolicy`; an xdist worker has its own
     try:
@@ -433,13 +434,13 @@ def test_ctrl_c_whose_keyboardinterrupt_a_finalizer_drops_still_stops_the_startu
 @pytest.mark.parametrize("override, named", [("task.name=no_such_dataset", "no_such_dataset"),
                                              ("distill.teacher='/no/such/teacher.gguf'", "distill.teacher")])
 def test_bad_task_or_teacher_fails_before_the_policy_loads(tmp_path, monkeypatch, override, named):
-    import nearpolicy.models
-    from nearpolicy.setup import build_session
+    import nearpolicy.model.load
+    from nearpolicy.training.assemble import build_session
 
     def policy_must_not_load(*_a, **_k):
         raise AssertionError("the policy was loaded before the config was checked")
 
-    monkeypatch.setattr(nearpolicy.models, "load_policy", policy_must_not_load)
+    monkeypatch.setattr(nearpolicy.model.load, "load_policy", policy_must_not_load)
     with pytest.raises(ValueError, match=named):
         build_session(load_config(None, [override]), tmp_path, print)
 
@@ -451,7 +452,7 @@ def _metrics_file(run: Path, text: str) -> Path:
 
 
 def test_metrics_reader_skips_only_a_cut_short_last_line_and_names_any_other_damage(tmp_path):
-    """The one metrics.jsonl rule (runs.read_metrics), shared by resume, summary, report and compare."""
+    """The one metrics.jsonl rule (runs.folder.read_metrics), shared by resume, summary, report and compare."""
     run = _metrics_file(tmp_path / "r", '{"step": 1, "a": 1.0}\n\n{"step": 0}\n{"step": 2, "a"')
     log = runs.read_metrics(run)
     assert [row["step"] for row in log.rows] == [0, 1]  # step order, blank line ignored
@@ -529,7 +530,7 @@ def test_resume_command_names_the_program_the_user_can_type(monkeypatch, tmp_pat
 
 
 def test_a_run_warns_when_the_machine_is_busy_at_start():
-    from nearpolicy.training_run import load_warning
+    from nearpolicy.training.run import load_warning
 
     said = load_warning(5.0, 2)
     assert said.startswith("warning: 5.0 runnable processes (1-min load average) on 2 cores; the machine is busy")

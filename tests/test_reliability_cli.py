@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nearpolicy.runs import list_checkpoints, load_checkpoint
+from nearpolicy.runs.folder import list_checkpoints, load_checkpoint
 from test_cli import _base, _metrics, _train
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ def _assert_reproduces(run: Path, reference: list[dict]) -> None:
 
 
 def _assert_loadable(path: Path, model_file: Path) -> dict:
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model = load_policy(str(model_file))[0]
     return load_checkpoint(path, model, torch.optim.AdamW(model.parameters()))

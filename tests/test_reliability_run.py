@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nearpolicy.config import Config, load_config
-from nearpolicy.guards import NonFiniteError, step_fault
-from nearpolicy.runs import list_checkpoints
+from nearpolicy.config.schema import Config, load_config
+from nearpolicy.training.guards import NonFiniteError, step_fault
+from nearpolicy.runs.folder import list_checkpoints
 
 
 # ---------------------------------------------------------------- the trainer under hostile engines, rewards, NaNs
@@ -32,8 +32,8 @@ def _cfg(model_path, out: Path, *extra: str) -> Config:
 def _trainer(tiny_model_dir, tmp_path, *extra: str, rewrite=None):
     """A Trainer on the tiny model; with `rewrite`, its rollout source samples from a hostile engine (the real one
     with each rollout passed through `rewrite`), handed in through setup's assembly."""
-    from nearpolicy import setup
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training import assemble as setup
+    from nearpolicy.training.trainer import open_trainer
 
     def build(cfg, run_dir, log):
         session = setup.build_session(cfg, run_dir, log)
@@ -104,7 +104,7 @@ def test_unscorable_samples_leave_the_group_statistics_get_advantage_0_and_are_c
                                                                                      monkeypatch):
     """Group [1, error, error, 1] through the trainer's scoring: rewards [1, nan, nan, 1], advantages 0 for all
     (counting the errors as 0 would give [0.87, -0.87, -0.87, 0.87]), reward/mean 1 over the scorable samples."""
-    from nearpolicy import trainer as trainer_module
+    from nearpolicy.training import trainer as trainer_module
     from nearpolicy.tasks.scoring import BoundedScorer
 
     trainer, logs = _trainer(tiny_model_dir, tmp_path, "algorithm.group_size=4", "algorithm.prompts_per_step=1")
@@ -133,8 +133,8 @@ def test_resume_on_changed_jsonl_data_is_refused_naming_the_change(tiny_model_di
     """Appending 11 lines to a 100-line task and resuming: refused before anything loads, saying what changed."""
     import hashlib
 
-    from nearpolicy.runs import RunExistsError
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.runs.folder import RunExistsError
+    from nearpolicy.training.trainer import open_trainer
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(100)))
@@ -158,7 +158,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model_dir, t
     run at step 4."""
     from dataclasses import replace
 
-    from nearpolicy import trainer as trainer_module
+    from nearpolicy.training import trainer as trainer_module
 
     trainer, logs = _trainer(tiny_model_dir, tmp_path, "run.steps=6", "run.max_bad_steps=2")
     real, calls, snapshots = trainer_module.compute_advantages, [], []
@@ -220,10 +220,10 @@ def _cli(model_path, out: Path, capsys, *extra: str, resume: bool = False) -> tu
 def test_disk_full_during_the_engine_gguf_sync_keeps_checkpoint_and_engine_file(tiny_gguf_factory, tmp_path,
                                                                                capsys, monkeypatch):
     """The engine's GGUF is written whole at startup, then each step's sync rewrites its tensors in place
-    (engines/gguf_inplace.py). Step 2's rewrite hits ENOSPC half-way: the run stops naming the file and the last
+    (engines/gguf/inplace.py). Step 2's rewrite hits ENOSPC half-way: the run stops naming the file and the last
     checkpoint, the file stays a complete GGUF, and the resumed run writes it whole again and finishes."""
-    from nearpolicy.engines import gguf_inplace
-    from nearpolicy.models import resolve_model
+    from nearpolicy.engines.gguf import inplace as gguf_inplace
+    from nearpolicy.model.load import resolve_model
 
     model = tiny_gguf_factory("f32")
     real, calls = gguf_inplace.rewrite, []
@@ -356,7 +356,7 @@ def test_damaged_or_missing_model_files_exit_2_naming_the_file(tiny_model_dir, t
 
 def test_sigint_mid_step_finishes_the_step_and_checkpoints_it(tiny_model_dir, tmp_path, monkeypatch):
     """A real SIGINT to this process during step 2 (checkpoint_every = 100: only the stop writes one)."""
-    from nearpolicy import trainer as trainer_module
+    from nearpolicy.training import trainer as trainer_module
     from nearpolicy.signals import GracefulStop, StopRequested
 
     trainer, _ = _trainer(tiny_model_dir, tmp_path, "run.steps=5", "logging.checkpoint_every=100")
@@ -382,7 +382,7 @@ def test_sigint_mid_step_finishes_the_step_and_checkpoints_it(tiny_model_dir, tm
 def test_resume_past_a_checkpoint_damaged_after_its_weights_restarts_from_the_initial_weights(tiny_model_dir, tmp_path):
     """The only checkpoint has intact weights but a truncated optimizer file: --resume starts over from step 0 with
     model.path's weights, not the damaged checkpoint's (a partial load must not leak)."""
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     extra = ("logging.keep_checkpoints=1", "algorithm.lr=0.01", "algorithm.weight_decay=0.5")  # decay moves weights
     trainer, _ = _trainer(tiny_model_dir, tmp_path, *extra)

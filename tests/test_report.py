@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from nearpolicy.cli import main
-from nearpolicy.report import PANELS, Panel, Run, legend_name, load_run, panel_figure, render_panel, run_summary
+from nearpolicy.runs.report import PANELS, Panel, Run, legend_name, load_run, panel_figure, render_panel, run_summary
 
 MAIN_JOB_METRICS = Path(__file__).parents[1] / "docs" / "runs" / "grpo-smollm2-chain-sum.metrics.jsonl"
 CHROMIUM = Path("/usr/bin/chromium")

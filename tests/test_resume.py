@@ -1,4 +1,4 @@
-"""The run-folder checks before a start (resume.check_run_folder), the config of a run read back from its folder
+"""The run-folder checks before a start (runs.start_checks.check_run_folder), the config of a run read back from its folder
 (`nearpolicy train --resume RUN_DIR`), the keys a resume may change, and the whole flow through the real CLI."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nearpolicy.config import Config, ConfigError, load_config
-from nearpolicy.resume import RESTARTED_METRICS, check_run_folder, stored_config
-from nearpolicy.runs import RunExistsError, RunFinished, checkpoint_step, save_checkpoint, write_json
+from nearpolicy.config.schema import Config, ConfigError, load_config
+from nearpolicy.runs.start_checks import RESTARTED_METRICS, check_run_folder, stored_config
+from nearpolicy.runs.folder import RunExistsError, RunFinished, checkpoint_step, save_checkpoint, write_json
 
 
 def _cfg(tmp_path: Path, *sets: str) -> Config:
@@ -55,7 +55,7 @@ def test_a_new_run_needs_a_folder_without_a_run(tmp_path):
 def test_an_interrupted_start_with_only_the_step0_eval_is_started_over_by_a_plain_retry(tmp_path):
     """Ctrl-C during the step-0 eval: the eval's row is written, no step completes, no checkpoint. A plain retry is
     accepted; open_trainer keeps the old row aside before anything loads."""
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     cfg = _cfg(tmp_path)
     run = _folder(cfg, logged=[0])
@@ -75,7 +75,7 @@ def test_an_interrupted_start_with_only_the_step0_eval_is_started_over_by_a_plai
 
 
 def test_a_failed_start_leaves_neither_the_run_folder_nor_a_new_output_dir(tmp_path):
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     def build(cfg, run_dir, log):
         assert run_dir.is_dir()
@@ -114,7 +114,7 @@ def test_a_finished_run_on_a_decaying_schedule_is_not_told_to_add_steps(tmp_path
 @pytest.mark.parametrize("damage", ["model.safetensors", "optimizer.safetensors", "trainer_state.json"])
 def test_a_damaged_last_checkpoint_is_not_a_finished_run(tmp_path, damage):
     """The newest checkpoint cut short (a kill, a full disk): the resume continues from the one before, as the load
-    does (runs.resume_checkpoint), instead of calling the run finished."""
+    does (runs.folder.resume_checkpoint), instead of calling the run finished."""
     cfg = _cfg(tmp_path, "run.steps=2")
     run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
     newest = run / "checkpoints" / "step_000002"

@@ -1,4 +1,4 @@
-"""samples.jsonl (samples.py): the rows an eval writes (phases.eval_samples), NaN as null, the truncation on resume,
+"""samples.jsonl (runs/samples.py): the rows an eval writes (training.phases.eval_samples), NaN as null, the truncation on resume,
 the lenient reader, and the report's "Eval samples" section (newest evals first, HTML-escaped)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from nearpolicy.phases import eval_samples
-from nearpolicy.report import SAMPLE_EVALS, Run, load_run, samples_section
-from nearpolicy.samples import SAMPLES_PER_EVAL, SampleLog, read_samples
+from nearpolicy.training.phases import eval_samples
+from nearpolicy.runs.report import SAMPLE_EVALS, Run, load_run, samples_section
+from nearpolicy.runs.samples import SAMPLES_PER_EVAL, SampleLog, read_samples
 from nearpolicy.tasks import Problem
 from nearpolicy.tasks.scoring import ScoreResult
 

@@ -1,4 +1,4 @@
-"""The shared-prompt path (policy.py; DualKV, "Shared-Prompt Flash Attention for Efficient RL Training with Large
+"""The shared-prompt path (model/policy.py; DualKV, "Shared-Prompt Flash Attention for Efficient RL Training with Large
 Rollouts and Long Contexts"): each group's prompt runs once and the group's completions attend to that one prefix.
 It is exact, so against the padded path (every row runs prompt + completion) it must give the same log-probs,
 entropy, gradient of every parameter, update metrics and Trainer metrics, to float32 rounding, on the tiny llama of
@@ -16,9 +16,9 @@ import torch
 from nearpolicy.batching import collate, forward_tokens, packs_completions
 from nearpolicy.ops.correction_presets import correction_spec
 from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams, required_aggregation
-from nearpolicy.policy import recompute_logprobs, sequence_logprobs
+from nearpolicy.model.policy import recompute_logprobs, sequence_logprobs
 from nearpolicy.types import Rollout, SamplingParams
-from nearpolicy.update import UpdateSettings, policy_update
+from nearpolicy.training.update import UpdateSettings, policy_update
 
 SAMPLING = SamplingParams(0.9, 1.0, 0, 8)
 LOGPROB_ATOL = 2e-5  # nats, on log-probs of about -10 (measured: at most 4e-6)
@@ -29,7 +29,7 @@ VOCAB, PAD = 49152, 2
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     return load_policy(str(tiny_model_dir))[0]
 
@@ -83,7 +83,7 @@ GROUPS = {
 @pytest.mark.parametrize("layout", ["packed", "padded rows"])
 @pytest.mark.parametrize("case", GROUPS)
 def test_logprobs_entropy_and_every_gradient_equal_the_padded_path(model, case, layout, monkeypatch):
-    monkeypatch.setattr("nearpolicy.policy.packs_completions", lambda *args: layout == "packed")
+    monkeypatch.setattr("nearpolicy.model.policy.packs_completions", lambda *args: layout == "packed")
     groups, shuffle = GROUPS[case]
     padded, shared = _both(_rollouts(groups, shuffle=shuffle))
     lp_p, ent_p, grads_p = _forward_backward(model, padded)
@@ -221,7 +221,7 @@ def test_correction_families_through_the_update_equal_the_padded_path(model, upd
 @pytest.mark.parametrize("layout", ["packed", "padded rows"])
 def test_two_minibatches_with_the_kl_penalty_equal_the_padded_path(model, update_batches, layout, monkeypatch):
     """Recomputed old log-probs, two optimizer steps, and the reference model's log-probs (shared path too)."""
-    monkeypatch.setattr("nearpolicy.policy.packs_completions", lambda *args: layout == "packed")
+    monkeypatch.setattr("nearpolicy.model.policy.packs_completions", lambda *args: layout == "packed")
     batches, advantages = update_batches
     ref_model = copy.deepcopy(model)
     with torch.no_grad():

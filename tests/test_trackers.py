@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from nearpolicy.config import load_config
-from nearpolicy.phases import accuracy_figure, progress_postfix
-from nearpolicy.runs import finite_scalars
-from nearpolicy.trackers import TrackerError, WandbTracker
+from nearpolicy.config.schema import load_config
+from nearpolicy.training.phases import accuracy_figure, progress_postfix
+from nearpolicy.runs.folder import finite_scalars
+from nearpolicy.runs.trackers import TrackerError, WandbTracker
 
 
 def _tiny_run(model_dir, out, *sets):
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     cfg = load_config(None, [f"model.path='{model_dir}'", f"run.output_dir='{out}'", "run.name=tracked", "run.steps=2",
                              "run.threads=1", "algorithm.prompts_per_step=1", "algorithm.group_size=2",
@@ -85,9 +85,9 @@ class _SilentEvalSource:
 
 @pytest.mark.parametrize("eval_policy", ["engine", "trainer"])
 def test_eval_policy_picks_the_model_the_eval_runs(tiny_model_dir, tmp_path, eval_policy):
-    from nearpolicy import setup
+    from nearpolicy.training import assemble as setup
     from nearpolicy.engines.hf import HFEngine
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     def build(cfg, run_dir, log):
         session, source = setup.assemble(cfg, run_dir, log)
@@ -110,7 +110,7 @@ def test_eval_policy_picks_the_model_the_eval_runs(tiny_model_dir, tmp_path, eva
 
 
 def test_a_resumed_run_shows_the_last_eval_accuracy_from_its_metrics(tmp_path):
-    from nearpolicy.resume import last_eval_accuracy
+    from nearpolicy.runs.start_checks import last_eval_accuracy
 
     rows = [{"step": 0, "eval/accuracy": 0.125}, {"step": 1, "reward/mean": 0.5}, {"step": 2, "eval/accuracy": 0.375},
             {"step": 3, "eval/accuracy": 0.625}]
@@ -123,7 +123,7 @@ def test_a_resumed_run_shows_the_last_eval_accuracy_from_its_metrics(tmp_path):
 
 
 def test_resume_restores_the_progress_accuracy(tiny_model_dir, tmp_path):
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training.trainer import open_trainer
 
     _tiny_run(tiny_model_dir, tmp_path, "logging.checkpoint_every=1")
     cfg = load_config(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'", "run.name=tracked",

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nearpolicy.config import load_config
+from nearpolicy.config.schema import load_config
 from nearpolicy.engines.fake import OffsetEngine
 from nearpolicy.ops.advantages import ADVANTAGES
 from nearpolicy.ops.correction_presets import CORRECTIONS
@@ -42,8 +42,8 @@ class LengthParityTask:
 def _run(model_dir: Path, out: Path, name: str, *sets: str, shift: float = -0.3, noise: float = 0.0, steps: int = 2):
     """`steps` train steps of a Trainer on the tiny model whose engine reports log-probs offset by shift + noise z;
     returns (metrics per step, the offsets of each step's tokens)."""
-    from nearpolicy import setup
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training import assemble as setup
+    from nearpolicy.training.trainer import open_trainer
 
     engines = []
 

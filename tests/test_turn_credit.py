@@ -1,5 +1,5 @@
 """Turn-level credit (ops/turn_credit.py: outcome, trace, rtpo), ECHO's observation loss (ops/observation_loss.py)
-and TRACE's model side (turn_values.py), against hand-computed values, ADVANTAGES["grpo"] and a direct per-row
+and TRACE's model side (model/turn_values.py), against hand-computed values, ADVANTAGES["grpo"] and a direct per-row
 computation on the tiny llama of conftest.py."""
 
 from __future__ import annotations
@@ -262,14 +262,14 @@ def test_raw_logprobs_gradient_reaches_only_observation_positions():
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     torch.set_num_threads(1)
     return load_policy(str(tiny_model_dir))[0].eval()
 
 
 def test_sequence_logprobs_with_raw_matches_the_raw_softmax(model):
-    from nearpolicy.policy import sequence_logprobs, sequence_logprobs_with_raw
+    from nearpolicy.model.policy import sequence_logprobs, sequence_logprobs_with_raw
     from nearpolicy.types import SamplingParams
 
     g = torch.Generator().manual_seed(4)
@@ -307,7 +307,7 @@ def _episodes():
 
 
 def test_boundary_ends():
-    from nearpolicy.turn_values import boundary_ends
+    from nearpolicy.model.turn_values import boundary_ends
 
     mask = torch.tensor([False, True, True, False, True, False, True, True])
     assert boundary_ends(mask, 8) == [0, 3, 5, 8]
@@ -316,7 +316,7 @@ def test_boundary_ends():
 
 
 def test_gold_logprobs_equal_a_direct_per_row_computation(model):
-    from nearpolicy.turn_values import boundary_ends, gold_logprobs, turn_values
+    from nearpolicy.model.turn_values import boundary_ends, gold_logprobs, turn_values
 
     rows, obs, gold = _episodes()
     batch = collate(rows, 2, 49152)
@@ -345,7 +345,7 @@ def test_gold_logprobs_equal_a_direct_per_row_computation(model):
 
 
 def test_gold_answer_ids_follow_the_answer_format(smollm2_tokenizer):
-    from nearpolicy.turn_values import gold_answer_ids
+    from nearpolicy.model.turn_values import gold_answer_ids
 
     ids = gold_answer_ids(smollm2_tokenizer, "42")
     assert smollm2_tokenizer.decode(ids) == "Answer: 42" and smollm2_tokenizer.bos_token_id not in ids
@@ -371,14 +371,14 @@ def test_gold_answer_ids_follow_the_answer_format(smollm2_tokenizer):
     (["algorithm.trace_weight=-1"], r"'algorithm.trace_weight': Input should be greater"),
 ])
 def test_config_keys_are_validated(overrides, needle):
-    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=needle):
         load_config(None, overrides)
 
 
 def test_config_keys_reach_the_estimator_params():
-    from nearpolicy.config import load_config
+    from nearpolicy.config.schema import load_config
 
     a = load_config(None, ["episode.enabled=true", "algorithm.turn_credit=trace", "algorithm.trace_weight=0.25",
                            "algorithm.observation_loss_coef=0.1"]).algorithm
@@ -387,9 +387,9 @@ def test_config_keys_reach_the_estimator_params():
 
 
 def test_turn_credit_advantages_is_the_one_call_the_trainer_makes(model, smollm2_tokenizer):
-    from nearpolicy.config import load_config
-    from nearpolicy.phases import turn_credit_advantages
-    from nearpolicy.turn_values import boundary_ends, gold_answer_ids, turn_values
+    from nearpolicy.config.schema import load_config
+    from nearpolicy.training.phases import turn_credit_advantages
+    from nearpolicy.model.turn_values import boundary_ends, gold_answer_ids, turn_values
 
     rows, obs, _ = _episodes()
     batch = collate(rows, 2, 49152)

@@ -12,15 +12,15 @@ from nearpolicy.batching import collate
 from nearpolicy.ops.corrections import CorrectionSpec
 from nearpolicy.ops.losses import PolicyLossParams
 from nearpolicy.types import Rollout, SamplingParams
-from nearpolicy.policy import recompute_logprobs
-from nearpolicy.update import UpdateSettings, policy_update
+from nearpolicy.model.policy import recompute_logprobs
+from nearpolicy.training.update import UpdateSettings, policy_update
 
 SAMPLING = SamplingParams(0.9, 1.0, 0, 8)
 
 
 @pytest.fixture(scope="module")
 def model_and_batch(tiny_model_dir):
-    from nearpolicy.models import load_policy
+    from nearpolicy.model.load import load_policy
 
     model, _ = load_policy(str(tiny_model_dir))
     g = torch.Generator().manual_seed(0)
@@ -132,8 +132,8 @@ def test_an_unscorable_sample_leaves_the_loss_denominator(model_and_batch):
     the gradient of the others unchanged (with advantage 0 alone its tokens would still dilute the token mean)."""
     from types import SimpleNamespace
 
-    from nearpolicy.config import load_config
-    from nearpolicy.trainer import step_advantages
+    from nearpolicy.config.schema import load_config
+    from nearpolicy.training.trainer import step_advantages
 
     model, batch = model_and_batch
     rollouts = [r for r in _rollouts_of(batch)]

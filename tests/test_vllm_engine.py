@@ -235,11 +235,11 @@ class LengthParityTask:
 
 @pytest.mark.slow
 def test_two_trainer_steps_on_vllm_rollouts(tmp_path, smollm2_tokenizer):
-    """The real Trainer (setup.build_engine with engine.kind = vllm): the rollout log-probs of step 1 (after the
+    """The real Trainer (training.assemble.build_engine with engine.kind = vllm): the rollout log-probs of step 1 (after the
     first weight sync, at lr 1e-3) are still the trainer's to 1e-4 nats, and the engine's version follows."""
-    from nearpolicy import setup
-    from nearpolicy.config import load_config
-    from nearpolicy.trainer import open_trainer
+    from nearpolicy.training import assemble as setup
+    from nearpolicy.config.schema import load_config
+    from nearpolicy.training.trainer import open_trainer
 
     folder = tmp_path / "tiny-vllm"
     _tiny_model().save_pretrained(folder)

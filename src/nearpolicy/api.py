@@ -31,13 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nearpolicy.config import Config, ConfigError
-from nearpolicy.config import load_config as _load_config
+from nearpolicy.config.schema import Config, ConfigError
+from nearpolicy.config.schema import load_config as _load_config
 
 __all__ = ["Config", "ConfigError", "TrainResult", "TrainingError", "load_config", "read_metrics", "read_samples",
            "run_training", "train"]
 
-STOP_CODES = (130, 143)  # stopped by SIGINT / SIGTERM (training_run.py's exit codes)
+STOP_CODES = (130, 143)  # stopped by SIGINT / SIGTERM (training/run.py's exit codes)
 
 
 class TrainingError(RuntimeError):
@@ -82,14 +82,14 @@ def run_training(cfg: Config, resume: bool = False, log: Callable[[str], None] |
                  progress: bool = True) -> tuple[int, str]:
     """(exit code, closing message) of one run, as `nearpolicy train` makes it: in this process (with the graceful
     stop on SIGINT / SIGTERM of signals.GracefulStop) or, with rollout.backend = "ray", as a Ray actor (which prints
-    its own messages: the closing message is then empty). Exit codes: training_run.py."""
+    its own messages: the closing message is then empty). Exit codes: training/run.py."""
     say = log or (lambda msg: print(msg, file=sys.stderr))
     if cfg.rollout.backend == "ray":  # the trainer runs as a Ray actor; this process relays its output and signals
-        from nearpolicy.ray_trainer import train_in_ray_actor
+        from nearpolicy.training.ray_actor import train_in_ray_actor
 
         return train_in_ray_actor(cfg, resume), ""
     from nearpolicy.signals import GracefulStop
-    from nearpolicy.training_run import build_trainer, fit
+    from nearpolicy.training.run import build_trainer, fit
 
     trainer, failed = build_trainer(cfg, resume, log=say)
     if trainer is not None:
@@ -153,15 +153,17 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
         raise TrainingError(message or f"the run failed with exit code {code}; its error is above", code, run_dir)
     if message:
         say(message)
-    metrics = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    from nearpolicy.runs.folder import METRICS
+
+    metrics = read_metrics(run_dir) if (run_dir / METRICS).exists() else []
     return TrainResult(run_dir, code, message, metrics)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of run_dir/metrics.jsonl in step order, one dict per step ({"step": int, "reward/mean": float, ...};
-    a non-finite value is None). A cut-short last line is skipped with a warnings.warn. Raises runs.RunFolderError (a
+    a non-finite value is None). A cut-short last line is skipped with a warnings.warn. Raises runs.folder.RunFolderError (a
     ValueError) naming the file when it is missing or damaged."""
-    from nearpolicy.runs import read_metrics as _read
+    from nearpolicy.runs.folder import read_metrics as _read
 
     log = _read(Path(run_dir))
     for warning in log.warnings:
@@ -170,9 +172,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def read_samples(run_dir: str | Path) -> list[dict]:
-    """The eval samples of run_dir/samples.jsonl in step order (fields: samples.py); [] when there are none. A line
+    """The eval samples of run_dir/samples.jsonl in step order (fields: runs/samples.py); [] when there are none. A line
     that cannot be read is skipped with a warnings.warn."""
-    from nearpolicy.samples import read_samples as _read
+    from nearpolicy.runs.samples import read_samples as _read
 
     rows, problems = _read(Path(run_dir))
     for warning in problems:

@@ -104,7 +104,7 @@ def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int, shared_prompt
 
 
 def packs_completions(steps: torch.Tensor, n_prompt: int, hidden: int) -> bool:
-    """Whether a prompt group's completions run packed into one row (policy.py: no padding, but every packed token's
+    """Whether a prompt group's completions run packed into one row (model/policy.py: no padding, but every packed token's
     attention spans all N packed tokens) rather than as G rows padded to the longest. steps [G] int64: tokens each
     row runs after the prompt. Picks the cheaper by a per-layer cost of about 12 hidden^2 multiply-adds per token
     (projections, MLP) and 2 hidden per query-key pair (scores, values): tokens x 6 hidden + pairs."""

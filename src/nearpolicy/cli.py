@@ -15,7 +15,7 @@ from pathlib import Path
 
 def _load_config(args: argparse.Namespace):
     """The validated config of `args.config` + `--set`, or None after printing the error (exit code 2)."""
-    from nearpolicy.config import ConfigError, load_config
+    from nearpolicy.config.schema import ConfigError, load_config
 
     try:
         return load_config(args.config, args.set or [])
@@ -28,8 +28,8 @@ def _train_config(args: argparse.Namespace):
     """(the validated config, resume?) of `train`'s arguments, or None after printing the error (exit code 2).
     `--resume RUN_DIR` (or `train RUN_DIR --resume`) reads the run's own config.json, --set on top; `--resume`
     alone resumes the run folder CONFIG + --set names; `--resume CONFIG.toml` is CONFIG with --resume."""
-    from nearpolicy.config import ConfigError, load_config
-    from nearpolicy.resume import stored_config
+    from nearpolicy.config.schema import ConfigError, load_config
+    from nearpolicy.runs.start_checks import stored_config
 
     config, run_dir = args.config, None
     if isinstance(args.resume, str):
@@ -64,7 +64,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     cfg, resume = loaded
     if args.dry_run:
-        from nearpolicy.training_run import dry_run
+        from nearpolicy.training.run import dry_run
 
         code, text, message = dry_run(cfg, resume)
         print(text, end="")
@@ -133,15 +133,15 @@ def _list_entry(name: str) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from nearpolicy.config_reference import config_reference
+    from nearpolicy.config.reference import config_reference
 
     print(config_reference(), end="")
     return 0
 
 
 def _summary(args: argparse.Namespace) -> int:
-    from nearpolicy.runs import RunFolderError
-    from nearpolicy.summary import summarize
+    from nearpolicy.runs.folder import RunFolderError
+    from nearpolicy.runs.summary import summarize
 
     try:
         print(summarize(args.run_dir, warn=lambda warning: print(f"warning: {warning}", file=sys.stderr)))
@@ -152,7 +152,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _write_report(run_dirs: list[Path], out: Path) -> int:
-    from nearpolicy.report import ReportError, write_report
+    from nearpolicy.runs.report import ReportError, write_report
 
     try:
         warnings = write_report(run_dirs, out)
@@ -199,7 +199,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def _add_diagnose(sub) -> None:
-    from nearpolicy.engines.gguf_export import PRECISIONS
+    from nearpolicy.engines.gguf.export import PRECISIONS
 
     d = sub.add_parser("diagnose", help="measure engine/trainer mismatch of rollout configurations; admission check",
                        description="Sample responses from each candidate rollout configuration, recompute the "
@@ -231,7 +231,7 @@ def _add_diagnose(sub) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from nearpolicy.export import export_run
+    from nearpolicy.runs.export import export_run
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     try:
@@ -248,7 +248,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _add_export(sub) -> None:
-    from nearpolicy.engines.gguf_export import PRECISIONS
+    from nearpolicy.engines.gguf.export import PRECISIONS
 
     e = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder and GGUF files",
                        description="Write a checkpoint's weights as a Hugging Face folder (model.safetensors, "

@@ -64,19 +64,19 @@ def gemm_gflops(dtype, n: int = 512, seconds: float = 0.5) -> float:
 def engine_probe(extra_buffers: bool) -> Check:
     """Load the shipped Q4_1 GGUF in a child process and decode a few tokens (the run's startup probe)."""
     from nearpolicy.engines.base import EngineError
-    from nearpolicy.engines.llamacpp import EngineSpec
-    from nearpolicy.engines.process import ProcessEngine
-    from nearpolicy.models import default_model_gguf
+    from nearpolicy.engines.factory import EngineInputs, EngineRequest, build_engine
+    from nearpolicy.model.load import default_model_gguf
 
     name = f"probe extra_buffers={'on' if extra_buffers else 'off'}"
     try:
         gguf = default_model_gguf()
     except (FileNotFoundError, ImportError) as err:
         return Check(name, f"no shipped GGUF ({err})", ok=False)
-    spec = EngineSpec(str(gguf), 0, 256, 4, 2, "f16", False, extra_buffers)
+    request = EngineRequest("llamacpp", "q4_1", max_context=256, max_parallel_sequences=4, threads=2,
+                            extra_buffers=extra_buffers)
     t0 = time.perf_counter()
     try:
-        engine = ProcessEngine(spec, "llamacpp:q4_1", probe_prompt=[1, 9690, 28, 2], start_timeout_s=120)
+        engine = build_engine(request, EngineInputs(gguf, probe_prompt=[1, 9690, 28, 2], start_timeout_s=120))
     except EngineError as err:  # EngineDied included: the crash this probe exists to catch
         return Check(name, str(err).splitlines()[0], ok=False, required=not extra_buffers)
     engine.close()

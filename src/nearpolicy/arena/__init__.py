@@ -5,7 +5,7 @@ resumable cell by cell, and one table of how each correction ended under each so
   spec.py    the ARENA.toml file: parse, validate, expand into cells (each an ordinary validated Config)
   state.py   OUT/arena-state.json: what each cell did, written atomically; a changed arena is refused
   runner.py  runs the cells through the training API (api.run_training), the progress line and its ETA
-  table.py   per-cell results from each run's metrics.jsonl (runs.read_metrics), aggregates over seeds
+  table.py   per-cell results from each run's metrics.jsonl (runs.folder.read_metrics), aggregates over seeds
   page.py    OUT/arena.md, arena.json and a self-contained arena.html with plots
 
 docs/arena.md describes the file format, the shipped configs/arena.toml and its sizes."""

@@ -1,6 +1,6 @@
 """The arena's page: OUT/arena.md (the tables and the seed-spread statements), OUT/arena.json (every number) and
 OUT/arena.html (the same tables and, per mismatch source, eval accuracy and k3 over steps for every cell: one colour
-per correction, one line per seed; matplotlib figures embedded as base64 PNGs, like report.py, so the file needs
+per correction, one line per seed; matplotlib figures embedded as base64 PNGs, like runs/report.py, so the file needs
 nothing beside it)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from nearpolicy.arena.spec import ArenaSpec
 from nearpolicy.arena.state import ArenaState
 from nearpolicy.arena.table import Aggregate, CellResult, arena_results, duration, spread_statements
-from nearpolicy.runs import write_json
+from nearpolicy.runs.folder import write_json
 
 COLUMNS = ("correction", "source", "seeds", "final accuracy", "best accuracy", "diverged", "median k3",
            "tokens changed", "s/step")

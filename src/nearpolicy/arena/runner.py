@@ -21,9 +21,10 @@ from pathlib import Path
 from nearpolicy.arena.spec import ArenaSpec, Cell
 from nearpolicy.arena.state import FINAL, ArenaState
 from nearpolicy.arena.table import duration
+from nearpolicy.runs.folder import last_step
 
 STOP_CODES = (130, 143)
-DIVERGENCE_MARKS = ("non-finite", "NonFiniteError")  # guards.NonFiniteError's messages, as training_run.fit relays
+DIVERGENCE_MARKS = ("non-finite", "NonFiniteError")  # training.guards.NonFiniteError's messages, as training.run.fit relays
 
 
 def classify(code: int, message: str) -> tuple[str, str | None]:
@@ -82,26 +83,6 @@ def eta_seconds(spec: ArenaSpec, state: ArenaState, todo: list[Cell], elapsed: f
         per_cell, measured = estimated_seconds(spec, todo[:1]), False
     current = pace * left if pace is not None else max(0.0, per_cell - elapsed)
     return current + per_cell * (len(todo) - 1), measured
-
-
-def last_step(run_dir: Path) -> int | None:
-    """The step of metrics.jsonl's last complete line (None without one); reads only the file's tail."""
-    import json
-
-    path = run_dir / "metrics.jsonl"
-    try:
-        with path.open("rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
 
 
 class Progress(threading.Thread):

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from nearpolicy.config import Config, ConfigError, config_from_data, parse_override
-from nearpolicy.config_checks import read_toml
+from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
+from nearpolicy.config.checks import read_toml
 
 NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]|_(?!_))*(?<![._-])$")
 """Arm names: letters, digits, '.', '-', '_'; starting and ending with a letter or digit, no '__' (the cell folder

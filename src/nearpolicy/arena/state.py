@@ -1,4 +1,4 @@
-"""OUT/arena-state.json: what each cell of an arena did, rewritten atomically (runs.write_json: a temporary file
+"""OUT/arena-state.json: what each cell of an arena did, rewritten atomically (runs.folder.write_json: a temporary file
 renamed over the old one) after every change, so a kill at any moment leaves the last complete state.
 
     {"format": 1, "arena": {"base": ..., "cells": {cell id: the cell's config, run.output_dir left out}},
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from nearpolicy.arena.spec import ArenaError, ArenaSpec
-from nearpolicy.runs import write_json
+from nearpolicy.runs.folder import write_json
 
 STATE = "arena-state.json"
 FORMAT = 1
@@ -61,7 +61,7 @@ def _flat(config: dict, prefix: str = "") -> dict[str, object]:
 
 
 def _default_config() -> dict:
-    from nearpolicy.config import Config
+    from nearpolicy.config.schema import Config
 
     return Config().model_dump(mode="json")
 

@@ -1,4 +1,4 @@
-"""The arena's numbers: per cell from its run's metrics.jsonl (runs.read_metrics), then per correction x source
+"""The arena's numbers: per cell from its run's metrics.jsonl (runs.folder.read_metrics), then per correction x source
 over the seeds, and which differences from the baseline correction lie inside the seed spread.
 
 Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the cell's last step (run.steps; missing or
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from nearpolicy.arena.spec import ArenaSpec, Cell
 from nearpolicy.arena.state import ArenaState, CellRecord
-from nearpolicy.runs import RunFolderError, finite_points, is_finite_number, read_metrics
+from nearpolicy.runs.folder import METRICS, RunFolderError, finite_points, is_finite_number, read_metrics
 
 COLLAPSE = 0.5  # final accuracy below this fraction of the step-0 accuracy (and significantly lower) is a collapse
 
@@ -97,7 +97,7 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     status."""
     result = CellResult(cell.id, cell.correction, cell.source, cell.seed, record.status, record.failure, record.error,
                         seconds=record.seconds)
-    if not (cell.run_dir / "metrics.jsonl").exists():
+    if not (cell.run_dir / METRICS).exists():
         return result, []
     try:
         log = read_metrics(cell.run_dir)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import gguf
 
 from nearpolicy.diagnosis.sensitivity import UnitSensitivity
-from nearpolicy.engines.gguf_export import QTYPES
+from nearpolicy.engines.gguf.export import QTYPES
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,20 @@ Options: `kv_cache=f16|f32` and `flash_attention=true|false` (llamacpp), `temper
 (sampling, replacing the config's), `weights_only=true` (llamacpp: every weight is rounded exactly as this
 candidate would store it, then run with f32 kernels: the weight-quantization error without the activation
 quantization of llama.cpp's quantized dot products), and per-tensor precision overrides
-`<selector>=<gguf type>` (engines/precision_map.py: embeddings, output, attention, mlp, blk.N, blk.N-M, globs).
+`<selector>=<gguf type>` (engines/gguf/precision_map.py: embeddings, output, attention, mlp, blk.N, blk.N-M, globs).
 Example: `llamacpp:q4_1,blk.0-2=f16,kv_cache=f32`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from nearpolicy.engines.gguf_export import PRECISIONS
-from nearpolicy.engines.hf import DTYPES
+from nearpolicy.engines.factory import ENGINES
+from nearpolicy.engines.gguf.export import PRECISIONS
+from nearpolicy.engines.gguf.precision_map import describe, validate_selector
 from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
-from nearpolicy.engines.precision_map import describe, validate_selector
-from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES
 from nearpolicy.types import SamplingParams
 
 _SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int}
-ENGINES = {"llamacpp": PRECISIONS, "hf": tuple(DTYPES), "vllm": tuple(VLLM_DTYPES)}  # engine -> its precisions
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,7 @@ class RolloutCandidate:
         """The candidate written back as a parseable string."""
         parts = [f"{self.engine}:{self.precision}"]
         parts += [f"{s}={p}" for s, p in self.tensor_precision]
-        if self.engine == "llamacpp" and self.kv_cache != "f16":
+        if self.kv_cache != "f16":
             parts.append(f"kv_cache={self.kv_cache}")
         if self.flash_attention:
             parts.append("flash_attention=true")
@@ -72,8 +70,8 @@ def parse_candidate(text: str) -> RolloutCandidate:
     head, *options = [part.strip() for part in text.split(",")]
     engine, sep, precision = head.partition(":")
     if not sep or engine not in ENGINES:
-        raise ValueError(f"candidate {text!r}: expected llamacpp:<precision>, hf:<dtype> or vllm:<dtype>")
-    valid = ENGINES[engine]
+        raise ValueError(f"candidate {text!r}: expected {', '.join(f'{k}:<precision>' for k in ENGINES)}")
+    valid, honours = ENGINES[engine].precisions, ENGINES[engine].options
     if precision not in valid:
         raise ValueError(f"candidate {text!r}: unknown {engine} precision {precision!r}; valid: {', '.join(valid)}")
     fields: dict = {"engine": engine, "precision": precision}
@@ -84,13 +82,11 @@ def parse_candidate(text: str) -> RolloutCandidate:
             raise ValueError(f"candidate {text!r}: option {option!r} is not key=value")
         if key in _SAMPLING_KEYS:
             sampling[key] = _number(text, key, value, _SAMPLING_KEYS[key])
-        elif key == "kv_cache" and value in KV_CACHE_TYPES and engine == "llamacpp":
+        elif key == "kv_cache" and value in KV_CACHE_TYPES and key in honours:
             fields["kv_cache"] = value
-        elif key == "flash_attention" and value in ("true", "false") and engine == "llamacpp":
-            fields["flash_attention"] = value == "true"
-        elif key == "weights_only" and value in ("true", "false") and engine == "llamacpp":
-            fields["weights_only"] = value == "true"
-        elif value in PRECISIONS and engine == "llamacpp":
+        elif key in ("flash_attention", "weights_only") and value in ("true", "false") and key in honours:
+            fields[key] = value == "true"
+        elif value in PRECISIONS and "tensor_precision" in honours:
             try:
                 validate_selector(key)
             except ValueError as err:

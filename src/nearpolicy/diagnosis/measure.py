@@ -12,12 +12,14 @@ import torch
 
 from nearpolicy.batching import collate
 from nearpolicy.diagnosis.candidates import RolloutCandidate
-from nearpolicy.engines.gguf_export import round_to_precision, tensor_precision
-from nearpolicy.models import pad_token_id, stop_token_ids
+from nearpolicy.engines.factory import EngineInputs, EngineRequest, kind_of
+from nearpolicy.engines.factory import build_engine as build_factory_engine
+from nearpolicy.engines.gguf.export import round_to_precision, tensor_precision
+from nearpolicy.model.load import pad_token_id, stop_token_ids
 from nearpolicy.ops.diagnostics import (k3_standard_error, logprob_diff_quantiles, mismatch_by_position,
                                         mismatch_metrics, sequence_ess)
 from nearpolicy.types import GenerationRequest, SamplingParams
-from nearpolicy.policy import recompute_logprobs
+from nearpolicy.model.policy import recompute_logprobs
 
 
 @dataclass
@@ -69,31 +71,28 @@ def engine_state_dict(ctx: DiagnoseContext, candidate: RolloutCandidate) -> dict
 
 
 def build_engine(ctx: DiagnoseContext, candidate: RolloutCandidate):
-    """Start the candidate's engine on the trainer's weights (a GGUF written to ctx.workdir for llama.cpp, an HF
-    folder for vLLM, whose engine process starts in its own environment)."""
+    """Start the candidate's engine on the trainer's weights through the engine factory (engines/factory.py): kinds
+    that load a GGUF get one written to ctx.workdir (run in this process, as the measurement always has; with
+    `weights_only`, the rounded weights at f32), the others the state dict (vLLM writes an HF folder and starts in its
+    own environment)."""
     state = engine_state_dict(ctx, candidate)
-    if candidate.engine == "llamacpp":
-        from nearpolicy.engines.gguf_export import export_gguf
-        from nearpolicy.engines.llamacpp import LlamaCppEngine
+    precision, overrides = candidate.precision, candidate.tensor_precision
+    inputs = EngineInputs(model=ctx.model, state_dict=state, workdir=ctx.workdir, probe_prompt=ctx.prompts[0])
+    if kind_of(candidate.engine).loads == "gguf":
+        from nearpolicy.engines.gguf.export import export_gguf
 
         ctx.workdir.mkdir(parents=True, exist_ok=True)
-        path = ctx.workdir / "candidate.gguf"
-        precision, overrides = ("f32", ()) if candidate.weights_only else (candidate.precision, candidate.tensor_precision)
-        export_gguf(state, ctx.model.config, path, precision, ctx.template_gguf, tokenizer=ctx.tokenizer,
+        inputs.gguf = ctx.workdir / "candidate.gguf"
+        if candidate.weights_only:
+            precision, overrides = "f32", ()
+        export_gguf(state, ctx.model.config, inputs.gguf, precision, ctx.template_gguf, tokenizer=ctx.tokenizer,
                     tensor_precision=overrides)
-        return LlamaCppEngine(path, max_context=ctx.max_context, threads=ctx.threads, kv_cache=candidate.kv_cache,
-                              flash_attention=candidate.flash_attention, max_parallel_sequences=ctx.max_parallel)
-    stop_ids = stop_token_ids(ctx.model, ctx.tokenizer, ctx.template_gguf, ctx.workdir)
-    if candidate.engine == "vllm":
-        from nearpolicy.engines.vllm_engine import VLLMProcessEngine
-
-        return VLLMProcessEngine(ctx.model.config, state, ctx.workdir / "vllm-weights", stop_ids=stop_ids,
-                                 max_context=ctx.max_context, max_parallel_sequences=ctx.max_parallel,
-                                 threads=ctx.threads, dtype=candidate.precision, kv_cache_gib=ctx.vllm_kv_cache_gib,
-                                 seed=ctx.seed, log_path=ctx.workdir / "vllm.log", probe_prompt=ctx.prompts[0])
-    from nearpolicy.engines.hf import HFEngine
-
-    return HFEngine(ctx.model, stop_ids, dtype=candidate.precision, max_parallel_sequences=ctx.max_parallel)
+    else:
+        inputs.stop_ids = stop_token_ids(ctx.model, ctx.tokenizer, ctx.template_gguf, ctx.workdir)
+    request = EngineRequest(candidate.engine, precision, ctx.max_context, ctx.max_parallel, ctx.threads, overrides,
+                            candidate.kv_cache, candidate.flash_attention, seed=ctx.seed,
+                            kv_cache_gib=ctx.vllm_kv_cache_gib, isolated=False)
+    return build_factory_engine(request, inputs)
 
 
 def sample_batch(ctx: DiagnoseContext, engine, sampling: SamplingParams, on_samples=lambda n: None):
@@ -133,11 +132,11 @@ def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samp
 
 def aligned_logprobs(ctx: DiagnoseContext, candidate: RolloutCandidate, batch, sampling: SamplingParams):
     """The precision-aligned trainer's log-probs [B, T] (float32, no grad) of the batch's tokens against a llama.cpp
-    candidate (aligned.py: its weight types, activation rounding and KV cache), or None where alignment does not
+    candidate (model/aligned.py: its weight types, activation rounding and KV cache), or None where alignment does not
     apply (other engines, weights_only, flash attention). ctx.model is restored afterwards."""
-    if candidate.engine != "llamacpp" or candidate.weights_only or candidate.flash_attention:
+    if not kind_of(candidate.engine).alignable or candidate.weights_only or candidate.flash_attention:
         return None
-    from nearpolicy.aligned import align_model
+    from nearpolicy.model.aligned import align_model
 
     with align_model(ctx.model, candidate.precision, candidate.tensor_precision, candidate.kv_cache):
         return recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]

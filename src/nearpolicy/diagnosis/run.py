@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
@@ -13,14 +12,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from nearpolicy.config import Config
+from nearpolicy.config.schema import Config
 from nearpolicy.diagnosis.admission import Budget, admitted, make_budget, propose_recipe, verdict_line
 from nearpolicy.diagnosis.candidates import RolloutCandidate, parse_candidate
 from nearpolicy.diagnosis.measure import CandidateResult, DiagnoseContext, measure_candidate
 from nearpolicy.diagnosis.plots import position_chart, sensitivity_chart
 from nearpolicy.diagnosis.sensitivity import reference_samples, scan
-from nearpolicy.models import load_model_weights
-from nearpolicy.runs import write_json
+from nearpolicy.engines.factory import ENGINES
+from nearpolicy.model.load import load_model_weights
+from nearpolicy.runs.folder import write_json
+from nearpolicy.files import write_atomically
 
 DEFAULT_CANDIDATES = ("llamacpp:f32", "llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "llamacpp:mxfp4", "hf:bf16")
 FLOOR = "llamacpp:f32,kv_cache=f32"
@@ -94,7 +95,7 @@ def _diagnose(cfg: Config, settings: DiagnoseSettings, ctx: DiagnoseContext, flo
     recipes = []
     if settings.propose:
         for c, ok in zip(candidates, verdicts):
-            if not ok and c.engine == "llamacpp" and not c.tensor_precision:
+            if not ok and "tensor_precision" in ENGINES[c.engine].options and not c.tensor_precision:
                 if c.precision not in scans:  # one scan per precision, shared by its candidates
                     scans[c.precision] = _scan(ctx, c.precision, floor, settings)
                 recipes.append(_find_recipe(ctx, c, scans[c.precision], budget, settings, log))
@@ -106,8 +107,8 @@ def _diagnose(cfg: Config, settings: DiagnoseSettings, ctx: DiagnoseContext, flo
 def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
     import torch
 
-    from nearpolicy.models import chat_prompt_ids, load_policy, resolve_model
-    from nearpolicy.setup import build_task, sampling_params
+    from nearpolicy.model.load import chat_prompt_ids, load_policy, resolve_model
+    from nearpolicy.training.assemble import build_task, sampling_params
 
     torch.set_num_threads(cfg.run.threads)
     resolved = resolve_model(cfg.model.path)
@@ -193,9 +194,7 @@ def _write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
     writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(buffer.getvalue())
-    os.replace(tmp, path)
+    write_atomically(path, buffer.getvalue())
 
 
 def markdown_table(report: dict) -> str:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from nearpolicy.diagnosis.candidates import RolloutCandidate
 from nearpolicy.diagnosis.measure import DiagnoseContext, build_engine, sample_batch
 from nearpolicy.ops.diagnostics import mismatch_metrics
-from nearpolicy.policy import recompute_logprobs
+from nearpolicy.model.policy import recompute_logprobs
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,6 @@ from typing import Protocol, runtime_checkable
 
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
-ENGINE_KINDS = ("llamacpp", "hf", "vllm")
-"""config engine.kind: llamacpp (engines/llamacpp.py, GGUF weights), hf (engines/hf.py, transformers) or vllm
-(engines/vllm_engine.py, vLLM in its own environment and process)."""
-
 LLAMA_MAX_SEQ = 256
 """llama.cpp's compile-time limit on sequences per context (LLAMA_MAX_SEQ in src/llama-cparams.h)."""
 
@@ -55,7 +51,7 @@ class RolloutEngine(Protocol):
 @dataclass(frozen=True)
 class RewrittenGGUF:
     """A llama.cpp update_weights source: every tensor of the GGUF at `path`, the file whose (st_dev, st_ino) is
-    `file_id`, was rewritten in place (engines/gguf_inplace.py). An engine mapping that very file keeps its model
+    `file_id`, was rewritten in place (engines/gguf/inplace.py). An engine mapping that very file keeps its model
     and drops its caches; any other reloads from `path`."""
 
     path: str
@@ -99,3 +95,21 @@ def take_decode_counts(engine) -> DecodeCounts | None:
 
 class EngineError(RuntimeError):
     """The engine failed (bad model file, decode failure, out of context)."""
+
+
+class EngineDied(EngineError):
+    """The engine's process ended during a call. `signal_name` is e.g. "SIGSEGV" (or "exit code N"), `phase` what
+    the engine was doing, `log_tail` the last lines of its log; `at` ("step 3") is set by the caller that knows."""
+
+    def __init__(self, engine: str, signal_name: str, phase: str, log_tail: list[str], at: str | None = None):
+        super().__init__(engine, signal_name, phase, log_tail, at)
+        self.engine, self.signal_name, self.phase, self.log_tail, self.at = engine, signal_name, phase, log_tail, at
+
+    def __str__(self) -> str:
+        where = f"{self.phase} of {self.at}" if self.at else self.phase
+        text = f"engine {self.engine} died with {self.signal_name} during {where}"
+        if self.signal_name == "SIGKILL":
+            text += " (SIGKILL without a stop request is usually the kernel's out-of-memory killer)"
+        if self.log_tail:
+            text += "; last lines of its log:\n    " + "\n    ".join(self.log_tail)
+        return text

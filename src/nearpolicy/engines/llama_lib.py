@@ -58,7 +58,7 @@ def eog_ids(vocab) -> frozenset[int]:
 
 def eog_token_ids(gguf_path: Path) -> frozenset[int]:
     """Every token id llama.cpp ends a response on (llama_vocab_is_eog over the whole vocabulary) for the GGUF at
-    `gguf_path`, loaded vocabulary-only (a metadata-only GGUF from gguf_export.export_vocab_gguf will do). For
+    `gguf_path`, loaded vocabulary-only (a metadata-only GGUF from engines.gguf.export.export_vocab_gguf will do). For
     SmolLM2: {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}. Raises EngineError when llama.cpp cannot load it."""
     lib = load_lib()
     params = lib.llama_model_default_params()

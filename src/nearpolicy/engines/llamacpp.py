@@ -4,8 +4,8 @@ Each returned log-prob is log softmax of the transformed logits the token was dr
 looked up by the sampled id (invariants 1, 2). A group of n samples evaluates its prompt once into one
 sequence, copies that KV stream to the other n - 1 sequences, and the whole wave of sequences is decoded as one
 multi-sequence batch, the live ones packed into consecutive streams (engines/llama_context.py). Weight sync =
-load a new GGUF (gguf_export.py) into a fresh model and context, or, when the trainer rewrote the mapped file's
-tensors in place (gguf_inplace.py), clear every KV cache: no cache of the old weights survives (invariant 9)."""
+load a new GGUF (engines/gguf/export.py) into a fresh model and context, or, when the trainer rewrote the mapped file's
+tensors in place (engines/gguf/inplace.py), clear every KV cache: no cache of the old weights survives (invariant 9)."""
 
 from __future__ import annotations
 
@@ -130,8 +130,8 @@ class LlamaCppEngine:
         self._model = self._sampler = self._greedy = None
 
     def update_weights(self, source: Path | str | RewrittenGGUF, version: int) -> None:
-        """New weights, every cache of the previous ones dropped. `source`: a GGUF path (gguf_export.py), loaded into
-        a fresh model; or a RewrittenGGUF (gguf_inplace.py): when it names the file this engine maps (and no extra
+        """New weights, every cache of the previous ones dropped. `source`: a GGUF path (engines/gguf/export.py), loaded into
+        a fresh model; or a RewrittenGGUF (engines/gguf/inplace.py): when it names the file this engine maps (and no extra
         buffer holds a copy of its weights), the model stays and its next decode reads the new bytes, else the
         engine loads source.path. Raises TypeError for another source, EngineError when the file cannot load."""
         if isinstance(source, RewrittenGGUF):
@@ -143,7 +143,7 @@ class LlamaCppEngine:
                 return
             source = source.path
         if not isinstance(source, (str, Path)):
-            raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf_export.py)")
+            raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf/export.py)")
         self.close()
         self._load(Path(source))
         self.version = version

@@ -27,7 +27,7 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from nearpolicy.engines.base import DecodeCounts, EngineError, RewrittenGGUF, take_decode_counts
+from nearpolicy.engines.base import DecodeCounts, EngineDied, EngineError, RewrittenGGUF, take_decode_counts
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.signals import exit_description
 
@@ -36,24 +36,6 @@ PHASES = {"generate": "rollout", "take_decode_counts": "rollout", "greedy": "eva
 CRASH_HOOK = "NEARPOLICY_TEST_ENGINE_CRASH"
 PROBE_TOKENS = 4
 LOG_MARKER = "--- nearpolicy engine process"
-
-
-class EngineDied(EngineError):
-    """The engine's process ended during a call. `signal_name` is e.g. "SIGSEGV" (or "exit code N"), `phase` what
-    the engine was doing, `log_tail` the last lines of its log; `at` ("step 3") is set by the caller that knows."""
-
-    def __init__(self, engine: str, signal_name: str, phase: str, log_tail: list[str], at: str | None = None):
-        super().__init__(engine, signal_name, phase, log_tail, at)
-        self.engine, self.signal_name, self.phase, self.log_tail, self.at = engine, signal_name, phase, log_tail, at
-
-    def __str__(self) -> str:
-        where = f"{self.phase} of {self.at}" if self.at else self.phase
-        text = f"engine {self.engine} died with {self.signal_name} during {where}"
-        if self.signal_name == "SIGKILL":
-            text += " (SIGKILL without a stop request is usually the kernel's out-of-memory killer)"
-        if self.log_tail:
-            text += "; last lines of its log:\n    " + "\n    ".join(self.log_tail)
-        return text
 
 
 def tail_lines(path: Path | None, n: int = 6) -> list[str]:
@@ -147,7 +129,7 @@ class ProcessEngine:
 
     def update_weights(self, source, version: int) -> None:
         if not isinstance(source, (str, Path, RewrittenGGUF)):
-            raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf_export.py)")
+            raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf/export.py)")
         self._call("update_weights", source if isinstance(source, RewrittenGGUF) else str(source), version)
         self.version = version
 

@@ -16,6 +16,7 @@ import torch
 from nearpolicy.engines.base import EngineError
 from nearpolicy.engines.process import ProcessEngine
 from nearpolicy.engines.vllm_child import DTYPES, VLLMSpec
+from nearpolicy.files import atomic_path
 
 VENV = ".venv-vllm"
 PYTHON_ENV = "NEARPOLICY_VLLM_PYTHON"  # overrides the interpreter (default: <checkout>/.venv-vllm/bin/python)
@@ -53,9 +54,8 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], config, folder: Path) -
     settings["architectures"] = settings.get("architectures") or ["LlamaForCausalLM"]
     settings["dtype"] = settings["torch_dtype"] = "float32"
     (folder / "config.json").write_text(json.dumps(settings, indent=1, default=str))
-    tmp = folder / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / WEIGHTS)
+    with atomic_path(folder / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     return folder
 
 

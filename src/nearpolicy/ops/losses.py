@@ -81,7 +81,7 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 SEQUENCE_LEVEL_LOSSES = frozenset({"gspo"})
 # Losses whose per-token value is A x (a finite function of the row's own log-probs), times detached weights: a row
 # whose advantage is 0 at every loss token adds exactly 0 to the gradient (the KL and entropy terms of policy_loss
-# aside). update.py runs such rows forward only (tests/test_inert_rows.py checks the property for each).
+# aside). training/update.py runs such rows forward only (tests/test_inert_rows.py checks the property for each).
 ADVANTAGE_PROPORTIONAL_LOSSES = frozenset({"ppo_clip", "gspo", "cispo", "reinforce", "importance_sampling", "pnpo",
                                            "pnpo_prefix_grad"})
 

@@ -101,7 +101,7 @@ def proximal_logprobs(
       mode decoupled, by `kind` (correction.proximal):
         old   old_logprobs (the trainer at the sampling weights)
         ewma  ewma_logprobs: the policy holding the bias-corrected EWMA of its weights (PPO-EWMA, Hilton et al.
-              arXiv:2110.00641; proximal_policy.EwmaPolicy); decay 0 gives old_logprobs exactly
+              arXiv:2110.00641; model.ewma.EwmaPolicy); decay 0 gives old_logprobs exactly
         a3po  `a3po_behaviour_proximal` from versions [B, T] and the trainer's `version` (no forward pass)
 
     All log-prob inputs [B, T]; rollout_logprobs may hold NaN where has_rollout is False. Raises ValueError for

@@ -8,7 +8,7 @@ The rate of training step s (0-based, s < S = run.steps), peak rate L, W warmup 
         cosine:       L (m + (1 - m)(1 + cos(pi p)) / 2)          (SGDR, arXiv:1608.03983 eq. 5, one cycle)
 so the last step runs at m L for linear and cosine (when S > W + 1). The schedule is a pure function of the step,
 so a resumed run continues it without stored state; config refuses W >= S, and a resume that changes run.steps
-under a decaying schedule (resume.check_same_config)."""
+under a decaying schedule (runs.start_checks.check_same_config)."""
 
 from __future__ import annotations
 

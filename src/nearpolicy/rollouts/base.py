@@ -4,11 +4,12 @@ A `RolloutSource` hands the trainer complete groups for each step, takes each ne
 its own metrics, keeps what a checkpoint needs to restart it, and owns the in-process engine the trainer
 evaluates with. Two implementations: `rollouts.inline.InlineRollouts` (synchronous: the engine samples the step's
 groups with the current weights) and `rollouts.replicas.ReplicaRollouts` (asynchronous: engine replicas, local
-processes or Ray actors, sample with bounded staleness while the trainer updates). setup.py builds either and the
+processes or Ray actors, sample with bounded staleness while the trainer updates). training/assemble.py builds either and the
 Trainer only speaks this protocol. A new rollout kind (multi-turn, a remote server) plugs in by implementing it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,6 +30,13 @@ class StepSamples:
     problems: dict[int, Problem]
     next_position: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def greedy_single_turn(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: int,
+                       score: Callable[[list[list[int]], str], list]) -> tuple[list[list[int]], list, dict[str, float]]:
+    """The single-turn sources' `evaluate`: one greedy response per prompt, scored, no extra metrics."""
+    completions = engine.greedy(prompts, max_new_tokens)
+    return completions, score(completions, ""), {}
 
 
 class RolloutSource(Protocol):
@@ -53,6 +61,14 @@ class RolloutSource(Protocol):
 
     def eval_engine(self) -> RolloutEngine:
         """The in-process engine, holding the newest published weights (greedy evaluation)."""
+        ...
+
+    def evaluate(self, engine: RolloutEngine, problems: list[Problem],
+                 score: Callable[[list[list[int]], str], list]) -> tuple[list[list[int]], list, dict[str, float]]:
+        """A greedy eval on `problems` with `engine` (eval_engine(), or the trainer's fp32 policy): (completion ids
+        per problem, `score(completions, label)`'s results, extra eval/* metrics). Single-turn sources: one greedy
+        response of at most sampling.max_new_tokens tokens per prompt (`greedy_single_turn`); episode sources: greedy
+        episodes with the tool (and without it)."""
         ...
 
     def state_dict(self) -> dict | None:

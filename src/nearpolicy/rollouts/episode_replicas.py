@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from nearpolicy.config import Config
 from nearpolicy.engines.base import RolloutEngine
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.rollouts.episodes import EpisodeRunner, EpisodeSetup, EpisodeSourceParts, episode_metrics
-from nearpolicy.rollouts.replicas import ReplicaRollouts
+from nearpolicy.rollouts.replicas import ReplicaRollouts, ReplicaSettings
 from nearpolicy.rollouts.scheduler import GroupState
 from nearpolicy.tasks import Problem, Task
 from nearpolicy.types import Rollout, SamplingParams
@@ -26,14 +25,15 @@ from nearpolicy.types import Rollout, SamplingParams
 class EpisodeReplicaRollouts(EpisodeSourceParts, ReplicaRollouts):
     """ReplicaRollouts (start, publish, eval_engine, state_dict as there) whose samples are episodes of `setup`, run
     on the replicas; `prompt_ids` templates an episode's prompt, `plain_prompt_ids` the no-tool eval's; `runner`
-    (the trainer process's, with its own ToolClient, closed with the source) runs the greedy eval only."""
+    (the trainer process's, with its own ToolClient, closed with the source) runs the greedy eval only
+    (`eval_without_tool`: also single greedy turns of the plain prompt, `plain_tokens` new tokens)."""
 
-    def __init__(self, cfg: Config, engine: RolloutEngine, export: Callable[[Path], Path], folder: Path,
+    def __init__(self, settings: ReplicaSettings, engine: RolloutEngine, export: Callable[[Path], Path], folder: Path,
                  spec_for: Callable[[Path, int], EngineSpec], task: Task, prompt_ids: Callable[[Problem], list[int]],
                  plain_prompt_ids: Callable[[Problem], list[int]], sampling: SamplingParams, setup: EpisodeSetup,
-                 runner: EpisodeRunner, log=print):
-        super().__init__(cfg, engine, export, folder, spec_for, task, prompt_ids, sampling, log, episodes=setup)
-        self._init_episode_parts(runner, plain_prompt_ids, cfg.episode.eval_without_tool, cfg.sampling.max_new_tokens)
+                 runner: EpisodeRunner, log=print, eval_without_tool: bool = True, plain_tokens: int = 64):
+        super().__init__(settings, engine, export, folder, spec_for, task, prompt_ids, sampling, log, episodes=setup)
+        self._init_episode_parts(runner, plain_prompt_ids, eval_without_tool, plain_tokens)
 
     def to_rollouts(self, groups: list[GroupState]) -> tuple[list[Rollout], dict[str, float]]:
         """Each sample's finished episode as its Rollout (model mask, turn index, versions verbatim) and the

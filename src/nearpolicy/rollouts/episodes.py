@@ -209,8 +209,8 @@ class EpisodeSourceParts:
         return super().step_metrics(old_logprobs, rollout_logprobs, defined, versions, version) | {
             f"mismatch/k3_turn{k}": float(m["k3"]) for k, m in per_turn.items()}
 
-    def evaluate_episodes(self, engine: RolloutEngine, problems: list[Problem],
-                          score: Callable[[list[list[int]], str], list]) -> tuple[list[list[int]], list, dict]:
+    def evaluate(self, engine: RolloutEngine, problems: list[Problem],
+                 score: Callable[[list[list[int]], str], list]) -> tuple[list[list[int]], list, dict]:
         """Greedy episodes with the tool on `problems`: (each episode's completion ids, the score results of its
         last turn, eval/* metrics: tool calls, errors, turns, well-formed call fraction, and eval/accuracy_no_tool
         from single greedy turns of the plain prompt when eval_without_tool). `score(completions, label)` scores

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from nearpolicy.engines.base import RolloutEngine, take_decode_counts
-from nearpolicy.rollouts.base import StepSamples
+from nearpolicy.rollouts.base import StepSamples, greedy_single_turn
 from nearpolicy.tasks import Problem, Task
 from nearpolicy.types import GenerationRequest, SamplingParams
 
@@ -57,6 +57,9 @@ class InlineRollouts:
 
     def eval_engine(self) -> RolloutEngine:
         return self.engine
+
+    def evaluate(self, engine: RolloutEngine, problems: list[Problem], score: Callable) -> tuple[list, list, dict]:
+        return greedy_single_turn(engine, [self.prompt_ids(p) for p in problems], self.sampling.max_new_tokens, score)
 
     def state_dict(self) -> dict | None:
         return None

@@ -145,7 +145,7 @@ class RayPool:
                  episodes: EpisodeSetup | None = None):
         import ray
 
-        self.owns_ray = not ray.is_initialized()  # False inside the trainer actor (ray_trainer.py)
+        self.owns_ray = not ray.is_initialized()  # False inside the trainer actor (training/ray_actor.py)
         if self.owns_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         self.ray, self.spec, self.episodes = ray, spec, episodes

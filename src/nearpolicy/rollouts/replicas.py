@@ -7,15 +7,15 @@ the newest published weights before each evaluation. rollouts/episode_replicas.p
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from nearpolicy.config import Config
 from nearpolicy.engines.base import RolloutEngine
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.ops.diagnostics import lag_ess, mismatch_metrics
-from nearpolicy.rollouts.base import StepSamples
+from nearpolicy.rollouts.base import StepSamples, greedy_single_turn
 from nearpolicy.rollouts.episodes import EpisodeSetup
 from nearpolicy.rollouts.pool import LocalPool, RayPool
 from nearpolicy.rollouts.scheduler import GroupState, RolloutScheduler, staleness_metrics
@@ -24,16 +24,38 @@ from nearpolicy.tasks import Problem, Task
 from nearpolicy.types import Rollout, SamplingParams
 
 
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What the replica sources read of the run's settings ([rollout], the group shape, the seed).
+
+    engines: replicas (>= 1); backend: "local" (processes) or "ray" (actors at ray_address); staleness: the most
+    versions a trained token may lag; partial: an interrupted sample keeps its tokens; overprovision: groups in
+    flight beyond a batch; resync_ess: lag ESS below which the next batch comes from the newest weights only (DLC);
+    max_parallel_sequences: sequences a replica decodes together."""
+
+    engines: int
+    backend: str
+    ray_address: str | None
+    staleness: int
+    partial: bool
+    overprovision: int
+    resync_ess: float
+    group_size: int
+    prompts_per_step: int
+    seed: int
+    max_parallel_sequences: int
+
+
 class ReplicaRollouts:
     """`export(folder)` writes the trainer's current weights as a GGUF in `folder` and returns its path;
     `spec_for(path, version)` is the replicas' EngineSpec over it; `engine` is the in-process engine (evaluation);
     with `episodes`, each replica runs tool-use episodes of that setup (a sample's budget: episodes.limits.max_tokens).
     Replicas start in `start` (after a resume has loaded the weights and the scheduler state)."""
 
-    def __init__(self, cfg: Config, engine: RolloutEngine, export: Callable[[Path], Path], folder: Path,
+    def __init__(self, settings: ReplicaSettings, engine: RolloutEngine, export: Callable[[Path], Path], folder: Path,
                  spec_for: Callable[[Path, int], EngineSpec], task: Task, prompt_ids: Callable[[Problem], list[int]],
                  sampling: SamplingParams, log=print, episodes: EpisodeSetup | None = None):
-        self.cfg, self.engine, self.export, self.folder, self.spec_for = cfg, engine, export, folder, spec_for
+        self.settings, self.engine, self.export, self.folder, self.spec_for = settings, engine, export, folder, spec_for
         self.task, self.prompt_ids, self.sampling, self.log, self.episodes = task, prompt_ids, sampling, log, episodes
         self._prompts: dict[int, tuple[int, ...]] = {}
         self.fresh_only = False  # DLC: the next batch must come from the newest weights
@@ -43,9 +65,9 @@ class ReplicaRollouts:
         self.version = 0
 
     def start(self, version: int, data_position: int, state: dict | None) -> None:
-        r, a = self.cfg.rollout, self.cfg.algorithm
+        r = self.settings
         tokens = self.sampling.max_new_tokens if self.episodes is None else self.episodes.limits.max_tokens
-        self.sched = RolloutScheduler(a.group_size, a.prompts_per_step, r.staleness, tokens, partial=r.partial,
+        self.sched = RolloutScheduler(r.group_size, r.prompts_per_step, r.staleness, tokens, partial=r.partial,
                                       overprovision=r.overprovision, next_group_id=data_position)
         self.sched.version = version
         if state is not None:
@@ -54,8 +76,8 @@ class ReplicaRollouts:
         spec = self.spec_for(path, version)
         pool = (LocalPool(spec, r.engines, self.episodes) if r.backend == "local"
                 else RayPool(spec, r.engines, r.ray_address, self.episodes))
-        self.service = RolloutService(self.sched, pool, self.prompt_of, self.sampling, self.cfg.run.seed,
-                                      self.cfg.engine.max_parallel_sequences, str(path), self.log)
+        self.service = RolloutService(self.sched, pool, self.prompt_of, self.sampling, r.seed,
+                                      r.max_parallel_sequences, str(path), self.log)
         self.log(f"async rollouts: {r.engines} {r.backend} engine replica(s), staleness {r.staleness}, "
                  f"partial rollouts {'on' if r.partial else 'off'}, over-provision {r.overprovision} group(s)")
 
@@ -87,7 +109,7 @@ class ReplicaRollouts:
         from the newest weights only), the k3 of fresh (numerical discrepancy only) and stale tokens, and the
         service's counters since the last call."""
         ess = float(lag_ess(old_logprobs, rollout_logprobs, defined, versions, version))
-        self.fresh_only = ess < self.cfg.rollout.resync_ess
+        self.fresh_only = ess < self.settings.resync_ess
         fresh = defined & (versions == version)
         split = {"fresh": fresh, "stale": defined & ~fresh}  # stale: discrepancy + version lag
         return {"staleness/lag_ess": ess, "staleness/resync": float(self.fresh_only),
@@ -113,6 +135,9 @@ class ReplicaRollouts:
         if self.engine.version != self.version:  # the replicas got every update, this engine did not
             self.engine.update_weights(self.latest, self.version)
         return self.engine
+
+    def evaluate(self, engine: RolloutEngine, problems: list[Problem], score: Callable) -> tuple[list, list, dict]:
+        return greedy_single_turn(engine, [self.prompt_ids(p) for p in problems], self.sampling.max_new_tokens, score)
 
     def state_dict(self) -> dict | None:
         return self.sched.state_dict()

@@ -1,0 +1,228 @@
+"""The config's checks that are more than a range: names a registry must know, rules across fields and sections,
+`--set` parsing and the error message naming the key. config/schema.py declares the schema and calls these; the choice
+lists themselves live beside the code that uses them (ops/ registries and tuples, engines/)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ValidationError
+
+from nearpolicy.engines.factory import ENGINES, kind_of
+from nearpolicy.ops.correction_presets import drop_replaced_preset_fields
+from nearpolicy.ops.losses import required_aggregation
+from nearpolicy.registry import Registry, did_you_mean
+
+
+class ConfigError(ValueError):
+    """A config file or override is malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RegisteredName:
+    """Field metadata: the value must be a name of `registry` (or one of `aliases`). Validates the field (through
+    pydantic's AfterValidator) and tells `nearpolicy config` the choices; both read the registry itself."""
+
+    registry: Registry
+    aliases: tuple[str, ...] = ()
+
+    def names(self) -> list[str]:
+        return [*self.aliases, *self.registry.names()]
+
+    def __call__(self, value: str) -> str:
+        if value not in self.names():
+            hint = did_you_mean(value, self.names())
+            raise ValueError(f"unknown name {value!r}{hint}; valid: {', '.join(self.names())}")
+        return value
+
+
+def registered(registry: Registry, aliases: tuple[str, ...] = ()) -> Any:
+    """The field type `str` restricted to the names of `registry` (plus `aliases`)."""
+    name = RegisteredName(registry, aliases)
+    return Annotated[str, AfterValidator(name), name]
+
+
+def betas_in_range(value: tuple[float, float]) -> tuple[float, float]:
+    if not all(0 <= b < 1 for b in value):
+        raise ValueError(f"each Adam beta must be in [0, 1), got {value}")
+    return value
+
+
+def aggregation_fits_loss(data: Any) -> Any:
+    """Before validation of [algorithm]: a sequence-level loss (gspo) takes its one aggregation when none is set,
+    and refuses any other."""
+    required = required_aggregation(data["loss"]) if isinstance(data, dict) and isinstance(data.get("loss"), str) else None
+    if required is not None and data.get("aggregation", required) != required:
+        raise ValueError(f"algorithm.aggregation = {data['aggregation']!r} weighs each sequence by its length, but "
+                         f"loss {data['loss']!r} is sequence-level: set {required!r} or leave it unset")
+    return data if required is None else {**data, "aggregation": required}
+
+
+def check_batch_divides(a) -> None:
+    samples = a.group_size * a.prompts_per_step
+    if samples % a.minibatches:
+        raise ValueError(f"algorithm.minibatches ({a.minibatches}) must divide group_size * prompts_per_step ({samples})")
+
+
+def check_correction(c) -> None:
+    """[correction]: the spec builds, and DLC centring and a non-"old" proximal have the decoupled mode they need."""
+    spec = c.spec()
+    if c.center != "none" and spec.mode != "decoupled":
+        raise ValueError("correction.center (DLC) needs mode = 'decoupled': in bypass mode the engine's log-probs "
+                         "are also the PPO proximal, and shifting them would move the clip window")
+    if c.proximal != "old" and spec.mode != "decoupled":
+        raise ValueError(f"correction.proximal = {c.proximal!r} needs mode = 'decoupled': in bypass mode the "
+                         "engine's log-probs are the proximal")
+
+
+def check_rollout(r) -> None:
+    if r.engines == 0 and (r.staleness or r.partial or r.overprovision or r.backend == "ray"):
+        raise ValueError("staleness, partial, overprovision and backend = 'ray' need rollout.engines >= 1")
+    if r.partial and r.staleness < 1:
+        raise ValueError("partial rollouts keep tokens across a weight update, so they need rollout.staleness >= 1")
+    for name, amount in r.trainer_resources.items():
+        if name in ("CPU", "GPU", "memory") or not amount >= 0:
+            raise ValueError(f"rollout.trainer_resources: {name} = {amount} is not a custom Ray resource amount "
+                             ">= 0 (CPU, GPU and memory are not accepted here)")
+
+
+def check_turn_credit(a) -> None:
+    """[algorithm]: trace and rtpo normalise like grpo, so they need algorithm.advantage = 'grpo'."""
+    if a.turn_credit != "outcome" and getattr(a, "advantage", "grpo") != "grpo":
+        raise ValueError(f"algorithm.turn_credit = {a.turn_credit!r} normalises per group like grpo: set "
+                         f"algorithm.advantage = 'grpo' (it is {a.advantage!r})")
+
+
+def check_sections_agree(cfg) -> None:
+    """Rules across sections: replicas run llama.cpp; llama.cpp's sequence limit; a group fits one batch; episodes
+    run on llamacpp (the synchronous engine or the replicas) or hf."""
+    e, a = cfg.engine, cfg.algorithm
+    kind = kind_of(e.kind)
+    if cfg.episode.enabled and not kind.episodes:
+        raise ValueError(f"episode.enabled is not supported with engine.kind = {e.kind!r} yet (untested): use "
+                         f"{' or '.join(k.name for k in ENGINES.values() if k.episodes)}")
+    if cfg.rollout.engines and not kind.replicas:
+        raise ValueError(f"rollout.engines >= 1 runs engine replicas, which engine.kind = {e.kind!r} cannot: set "
+                         f"engine.kind = {' or '.join(repr(k.name) for k in ENGINES.values() if k.replicas)}")
+    if kind.max_parallel is not None and e.max_parallel_sequences > kind.max_parallel:
+        raise ValueError(f"engine.max_parallel_sequences = {e.max_parallel_sequences} exceeds {kind.max_parallel_why}; "
+                         f"use at most {kind.max_parallel}")
+    if a.warmup_steps and a.warmup_steps >= cfg.run.steps:
+        raise ValueError(f"algorithm.warmup_steps ({a.warmup_steps}) must be below run.steps ({cfg.run.steps}): the "
+                         "learning rate would never reach algorithm.lr")
+    if a.precision_alignment == "engine" and (not kind.alignable or e.flash_attention):
+        raise ValueError("algorithm.precision_alignment = 'engine' emulates llama.cpp without flash attention: set "
+                         "engine.kind = 'llamacpp' and engine.flash_attention = false, or precision_alignment = 'off'")
+    if a.group_size > e.max_parallel_sequences:
+        raise ValueError(f"algorithm.group_size ({a.group_size}) exceeds engine.max_parallel_sequences "
+                         f"({e.max_parallel_sequences}): a group is decoded in one batch")
+    if not cfg.episode.enabled and (a.turn_credit != "outcome" or a.observation_loss_coef > 0):
+        raise ValueError(f"algorithm.turn_credit = {a.turn_credit!r} / observation_loss_coef = "
+                         f"{a.observation_loss_coef} act on the turns and tool observations of multi-turn episodes: "
+                         "set episode.enabled = true, or turn_credit = 'outcome' and observation_loss_coef = 0")
+    if a.turn_credit != "outcome" and cfg.distill.teacher is not None:
+        raise ValueError(f"algorithm.turn_credit = {a.turn_credit!r} gives token advantages, which distillation "
+                         "(distill.teacher) does not combine yet: use turn_credit = 'outcome' with a teacher")
+
+
+def check_task(t):
+    """[task]: kind = 'jsonl' needs a path. Returns the section (a model validator)."""
+    if t.kind == "jsonl" and t.path is None:
+        raise ValueError("task.path is required when task.kind = 'jsonl'")
+    return t
+
+
+def drop_replaced_task_options(section: dict | None, default, overrides: list[tuple[str, list[str], Any]]) -> None:
+    """Config layering (config.load_config): when the upper layer's `overrides` ((text, keys, value) of each --set)
+    change task.kind or task.name from the lower layer's raw [task] `section` (`default`: the TaskConfig defaults),
+    drop that section's task.options (in place): they are the keyword options of the lower layer's dataset
+    (configs/main.toml's chain_sum options would be refused by another dataset and by kind = 'jsonl'). Options the
+    upper layer sets itself still apply."""
+    if not isinstance(section, dict) or "options" not in section:
+        return
+    if any(keys == ["task", key] and value != section.get(key, getattr(default, key))
+           for _, keys, value in overrides for key in ("kind", "name")):
+        del section["options"]
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A config file's TOML as a dict. Raises ConfigError naming the file when it is missing, unreadable or not TOML."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides, default_preset: str, default_task) -> None:
+    """Apply `--set` overrides to the config dict `data` in place. An override of correction.preset drops the
+    lower layer's preset fields it does not set itself (ops.correction_presets.drop_replaced_preset_fields); one of
+    task.kind or task.name drops the lower layer's task.options (drop_replaced_task_options; `default_task`: the
+    TaskConfig defaults). Raises ConfigError for a malformed override."""
+    parsed = [(item, *parse_override(item)) for item in overrides]
+    drop_replaced_preset_fields(data.get("correction"), default_preset,
+                                {tuple(keys[1:]): value for _, keys, value in parsed if keys[0] == "correction"})
+    drop_replaced_task_options(data.get("task"), default_task, parsed)
+    for item, keys, value in parsed:
+        node = data
+        for part in keys[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: {part!r} is not a section")
+        node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """"a.b=value" -> (["a", "b"], value); the value is read as a TOML literal, else kept as a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"--set has an empty key part in {key!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def _keys_beside(schema: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the section `loc` (a key's location without the key) in `schema`; [] past a leaf."""
+    for part in loc:
+        field = schema.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        schema = annotation
+    return list(schema.model_fields)
+
+
+def describe_errors(err: ValidationError, path, schema: type[BaseModel] | None = None) -> str:
+    """One message for a failed validation, each problem naming its key (`path`: the config file, or None); an
+    unknown key or choice gets a "did you mean" hint (the keys beside it come from `schema`, the Config class)."""
+    where = f"{path}: " if path else ""
+    lines = []
+    for problem in err.errors():
+        key = ".".join(str(p) for p in problem["loc"])
+        if problem["type"] == "extra_forbidden":
+            beside = _keys_beside(schema, problem["loc"][:-1]) if schema is not None else []
+            section = "".join(f"{p}." for p in problem["loc"][:-1])
+            lines.append(f"unknown key '{key}'{did_you_mean(problem['loc'][-1], beside, section)}")
+        elif problem["type"] == "literal_error":
+            choices = re.findall(r"'([^']*)'", str(problem.get("ctx", {}).get("expected", "")))
+            lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})"
+                         f"{did_you_mean(problem.get('input'), choices)}")
+        elif len(problem["loc"]) <= 1 and (not key or isinstance(problem.get("input"), dict)):
+            # a rule across sections or over one section: its own message names the keys
+            lines.append(problem["msg"].removeprefix("Value error, "))
+        else:
+            lines.append(f"'{key}': {problem['msg']} (got {problem.get('input')!r})")
+    return where + "invalid config: " + "; ".join(lines)

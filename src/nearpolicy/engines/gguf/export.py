@@ -1,0 +1,343 @@
+"""Export trainer weights (an HF llama state dict) to a llama-architecture GGUF that llama.cpp loads.
+
+Metadata: the tokenizer / general fields come from a template GGUF (copied byte for byte) or, without one, from
+the HF tokenizer; the `llama.*` architecture keys and `general.file_type` always come from the HF config.
+Tensors: HF names mapped with gguf-py's TensorNameMap; q_proj / k_proj rows permuted the way llama.cpp's
+convert_hf_to_gguf.py does (transformers undoes it on GGUF load); 2-D weights quantized with gguf-py in numpy,
+1-D tensors kept F32. Writes are atomic (temp file in the same folder, fsync, os.replace) and deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+import torch
+
+from nearpolicy.engines.gguf.rounding import check_rounding, rounding_input
+from nearpolicy.engines.gguf.quantize import quantize
+from nearpolicy.engines.gguf.tokenizer import add_tokenizer_metadata
+from nearpolicy.engines.gguf.precision_map import PrecisionMap, precision_for, selector_matches, validate_selector
+from nearpolicy.files import atomic_path
+
+_Q = gguf.GGMLQuantizationType
+_F = gguf.LlamaFileType
+QTYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "f32": (_Q.F32, _F.ALL_F32),
+    "f16": (_Q.F16, _F.MOSTLY_F16),
+    "bf16": (_Q.BF16, _F.MOSTLY_BF16),
+    "q8_0": (_Q.Q8_0, _F.MOSTLY_Q8_0),
+    "q5_0": (_Q.Q5_0, _F.MOSTLY_Q5_0),
+    "q4_0": (_Q.Q4_0, _F.MOSTLY_Q4_0),
+    "q4_1": (_Q.Q4_1, _F.MOSTLY_Q4_1),
+    "mxfp4": (_Q.MXFP4, _F.MOSTLY_MXFP4_MOE),
+}
+PRECISIONS: tuple[str, ...] = tuple(QTYPES)
+
+_EMBEDDING = ("token_embd.weight", "output.weight")
+_ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
+# Template fields not copied: virtual reader fields, ones GGUFWriter writes, and ones derived from the config.
+_SKIP_PREFIXES = ("GGUF.", "llama.")
+_SKIP_KEYS = {"general.architecture", "general.file_type", "general.quantization_version", "general.alignment"}
+
+@dataclass
+class ExportReport:
+    """What `export_gguf` wrote: GGUF tensor name -> GGML type name, F16 fallbacks, file size (bytes), seconds."""
+
+    path: Path
+    precision: str
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    fallback_f16: list[str] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+def export_gguf(
+    state_dict: dict[str, torch.Tensor],
+    config: Any,
+    out_path: Path,
+    precision: str,
+    template_gguf: Path | None,
+    tokenizer: Any = None,
+    embedding_precision: str | None = None,
+    tensor_precision: PrecisionMap = (),
+    rounding: str = "nearest",
+    rounding_seed: int = 0,
+) -> ExportReport:
+    """Write `state_dict` (HF llama names, any float dtype, [out, in] weights) as a GGUF at `precision`.
+
+    `config` is the HF LlamaConfig; `template_gguf` a llama GGUF whose general.* / tokenizer.* fields (and tensor
+    order, when it has the same tensors) are copied; without one, `tokenizer` (an HF fast byte-level BPE tokenizer)
+    provides the tokenizer metadata. Re-exporting a GGUF's own dequantized weights at its own types reproduces it
+    byte for byte. `embedding_precision` (default: `precision`) applies to token_embd / output, e.g. "q8_0" with
+    "q4_1" as llama.cpp's quantizer does. `tensor_precision` (selector, precision) pairs override both per tensor
+    (engines/gguf/precision_map.py). `rounding`: "nearest" or "stochastic" with `rounding_seed` (engines/gguf/rounding.py).
+    Raises ValueError (unknown precision or rounding, unknown tensor name, non-llama template), NotImplementedError
+    (rope scaling, a tokenizer this exporter cannot describe); on any error `out_path` is left untouched.
+    """
+    out_path = Path(out_path)
+    start = time.perf_counter()
+    check_precisions(precision, embedding_precision, tensor_precision, rounding)
+    writer, tensor_order = _metadata_writer(config, QTYPES[precision][1], template_gguf, tokenizer)
+    report = ExportReport(path=out_path, precision=precision)
+    for name, array, raw_dtype in convert_state(state_dict, config, precision, embedding_precision, tensor_precision,
+                                                rounding, rounding_seed, tensor_order, report):
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    _write_atomically(writer, out_path)
+    report.bytes = out_path.stat().st_size
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def check_precisions(precision: str, embedding_precision: str | None, tensor_precision: PrecisionMap,
+                     rounding: str) -> None:
+    """Raise ValueError for an unknown precision, an invalid tensor selector or a rounding the precisions reject."""
+    for p in (precision, embedding_precision or precision, *(p for _, p in tensor_precision)):
+        if p not in QTYPES:
+            raise ValueError(f"unknown GGUF precision {p!r}; valid: {', '.join(PRECISIONS)}")
+    check_rounding(rounding, {precision, embedding_precision or precision, *(p for _, p in tensor_precision)})
+    for selector, _ in tensor_precision:
+        validate_selector(selector)  # an unknown selector fails before anything is written
+
+
+def convert_state(state_dict: dict[str, torch.Tensor], config: Any, precision: str, embedding_precision: str | None,
+                  tensor_precision: PrecisionMap, rounding: str, rounding_seed: int, tensor_order: tuple[str, ...] = (),
+                  report: ExportReport | None = None) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
+    """(GGUF name, stored array, GGML type) per tensor of `state_dict`, exactly as `export_gguf` writes them (in
+    `tensor_order` when it names the same tensors); fills `report`'s tensor types. Raises ValueError as
+    `export_gguf` does, including for a tensor selector that matches no tensor."""
+    report = report or ExportReport(path=Path(), precision=precision)
+
+    def qtype_of(name: str) -> gguf.GGMLQuantizationType:
+        default = (embedding_precision or precision) if name in _EMBEDDING else precision
+        return QTYPES[precision_for(name, default, tensor_precision)][0]
+
+    def gridded(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:  # what gguf-py rounds to nearest
+        return rounding_input(w, qtype.name.lower(), rounding, rounding_seed)
+
+    tensors = _convert_tensors(state_dict, config, qtype_of, gridded, tensor_order, report)
+    for selector, _ in tensor_precision:  # a selector that picks nothing is a typo or the wrong model
+        if not any(selector_matches(selector, name) for name in report.tensor_types):
+            raise ValueError(f"tensor selector {selector!r} matches no tensor of this model ({config.num_hidden_layers} "
+                             f"blocks, blk.0-{config.num_hidden_layers - 1}"
+                             f"{'; the output head is tied to the embeddings' if 'output.weight' not in report.tensor_types else ''})")
+    return tensors
+
+
+def policy_gguf_name(precision: str) -> str:
+    """The file name of the policy's GGUF at `precision` in an engine or export folder."""
+    return f"policy-{precision}.gguf"
+
+
+def export_model_gguf(model: torch.nn.Module, folder: Path, precision: str, tensor_precision: PrecisionMap,
+                      template_gguf: Path | None, tokenizer: Any, rounding: str = "nearest", seed: int = 0) -> Path:
+    """Write `model`'s current weights as `folder`/policy-<precision>.gguf (`export_model_report`) and return its
+    path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / policy_gguf_name(precision)
+    return export_model_report(model, path, precision, tensor_precision, template_gguf, tokenizer, rounding, seed).path
+
+
+def export_model_report(model: torch.nn.Module, path: Path, precision: str, tensor_precision: PrecisionMap,
+                        template_gguf: Path | None, tokenizer: Any, rounding: str = "nearest",
+                        seed: int = 0) -> ExportReport:
+    """Write `model`'s current weights to `path` (`export_gguf` with `tensor_precision` overrides, `rounding` seeded
+    by `seed`). Raises OSError naming the file when it cannot be written (the file an engine holds is untouched:
+    the write is atomic), else what `export_gguf` raises."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    try:
+        return export_gguf(state, model.config, path, precision, template_gguf, tokenizer=tokenizer,
+                           tensor_precision=tuple(tensor_precision), rounding=rounding, rounding_seed=seed)
+    except OSError as err:
+        kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not created"
+        raise OSError(err.errno, f"could not write the engine GGUF {path} ({err.strerror or err}); {kept}") from err
+
+
+def export_vocab_gguf(config: Any, out_path: Path, template_gguf: Path | None, tokenizer: Any = None) -> Path:
+    """Write a GGUF holding only the metadata `export_gguf` would write (no tensors): enough for llama.cpp to load
+    the vocabulary (`vocab_only`), e.g. to read its end-of-generation set. Raises as `export_gguf`."""
+    writer, _ = _metadata_writer(config, QTYPES["f32"][1], template_gguf, tokenizer)
+    _write_atomically(writer, Path(out_path))
+    return Path(out_path)
+
+
+def _metadata_writer(config: Any, ftype: gguf.LlamaFileType, template_gguf: Path | None,
+                     tokenizer: Any) -> tuple[gguf.GGUFWriter, tuple[str, ...]]:
+    """A GGUFWriter holding the metadata (template or tokenizer fields, arch keys from `config`) and the
+    template's tensor order (empty without a template)."""
+    writer = gguf.GGUFWriter(path=None, arch=_ARCH)
+    arch_kv = _arch_metadata(config, ftype)
+    tensor_order: tuple[str, ...] = ()
+    if template_gguf is not None:
+        template = Path(template_gguf)
+        st = template.stat()
+        fields, tensor_order = _template_fields(str(template.resolve()), st.st_size, st.st_mtime_ns)
+        for key, value, vtype, sub_type in fields:  # template order; arch keys take their template slot
+            if key in arch_kv:
+                v = arch_kv.pop(key)
+                writer.add_key_value(key, v.value, v.type)
+            elif not (key in _SKIP_KEYS or key.startswith(_SKIP_PREFIXES)):
+                writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    elif tokenizer is not None:
+        add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
+    else:
+        raise ValueError("export_gguf needs template_gguf or an HF tokenizer for the tokenizer metadata")
+    for key, v in arch_kv.items():
+        writer.add_key_value(key, v.value, v.type)
+    return writer, tensor_order
+
+
+def _write_atomically(writer: gguf.GGUFWriter, out_path: Path) -> None:
+    """Header, metadata and tensors to a temp file beside `out_path`, fsynced, then renamed over it."""
+    try:
+        with atomic_path(out_path) as tmp:
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+    finally:
+        writer.close()  # closing twice is harmless; an error above must not leave the file open
+
+
+def tensor_precision(hf_name: str, config: Any, precision: str, overrides: PrecisionMap = (),
+                     embedding_precision: str | None = None) -> str:
+    """The GGUF type `export_gguf` stores the HF tensor `hf_name` at (2-D weights; 1-D tensors stay F32)."""
+    name = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers).get_name(
+        hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ValueError(f"cannot map tensor {hf_name!r} to a llama GGUF tensor name")
+    default = (embedding_precision or precision) if name in _EMBEDDING else precision
+    return precision_for(name, default, overrides)
+
+
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order: per head, interleave the two rotary halves. w: [rows, cols] or [rows]."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _canonical_order(name: str) -> tuple[int, str]:
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m:
+        return 1 + int(m.group(1)), name
+    return (0, name) if name.startswith("token_embd") else (1 << 30, name)
+
+
+def _convert_tensors(
+    state_dict: dict[str, torch.Tensor],
+    config: Any,
+    qtype_of: Callable[[str], gguf.GGMLQuantizationType],
+    gridded: Callable[[np.ndarray, gguf.GGMLQuantizationType], np.ndarray],
+    template_order: tuple[str, ...],
+    report: ExportReport,
+) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
+    """(GGUF name, array, GGML type) per tensor, in the template's tensor order when it has the same tensors,
+    else token_embd, blocks, output; fills report.tensor_types / fallback_f16."""
+    n_layers = config.num_hidden_layers
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    out: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
+    for hf_name, tensor in state_dict.items():
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        if hf_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue
+        if (name := name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))) is None:
+            raise ValueError(f"cannot map tensor {hf_name!r} to a llama GGUF tensor name")
+        w = np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy())
+        t = qtype_of(name) if w.ndim >= 2 else _Q.F32
+        if w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
+            t = _Q.F16
+            report.fallback_f16.append(name)
+        w = gridded(w, t)  # in the trainer's layout (model/aligned.py rounds the same array); rows: permutation-safe
+        if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            w = _permute(w, n_head)
+        elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            w = _permute(w, n_kv)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        out.append((name, quantize(w, t), t))
+        report.tensor_types[name] = t.name
+    if sorted(template_order) == sorted(n for n, _, _ in out):
+        rank = {n: i for i, n in enumerate(template_order)}
+        out.sort(key=lambda item: rank[item[0]])
+    else:
+        out.sort(key=lambda item: _canonical_order(item[0]))
+    report.tensor_types = {n: report.tensor_types[n] for n, _, _ in out}
+    return out
+
+
+def _arch_metadata(config: Any, ftype: gguf.LlamaFileType) -> dict[str, Any]:
+    """key -> GGUFValue: llama.* hyper-parameters from the HF config, file type and quantization version."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise NotImplementedError(f"rope scaling {rope_type!r} is not exported to GGUF")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config has no rope_theta")
+    n_head = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
+    writer = gguf.GGUFWriter(path=None, arch=_ARCH)  # scratch: its typed add_* helpers name and type the keys
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or n_head)
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // n_head:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(int(ftype))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return {k: v for k, v in writer.kv_data[0].items() if k != "general.architecture"}
+
+
+@functools.lru_cache(maxsize=4)
+def _template_fields(path: str, size: int, mtime_ns: int) -> tuple[tuple[tuple[Any, ...], ...], tuple[str, ...]]:
+    """((key, value, type, sub_type) per field, tensor names), in file order; strings kept as raw bytes.
+
+    Cached per file version (size, mtime): parsing SmolLM2's 49152 tokens and 48900 merges takes about 3.5 s.
+    """
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields.get("general.architecture")
+    if arch is None or arch.contents() != "llama":
+        raise ValueError(f"template {path} is not a llama GGUF")
+    fields = []
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        sub_type = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if vtype == gguf.GGUFValueType.STRING:
+            value: Any = bytes(f.parts[-1])
+        elif sub_type == gguf.GGUFValueType.STRING:
+            value = [bytes(f.parts[i]) for i in f.data]
+        else:
+            value = f.contents()
+        fields.append((f.name, value, vtype, sub_type))
+    return tuple(fields), tuple(t.name for t in reader.tensors)
+
+
+def round_to_precision(weight: np.ndarray, precision: str) -> np.ndarray:
+    """Quantize a float32 [out, in] weight to `precision` and dequantize it back (float32, same shape): the
+    weight-rounding error of that type without its kernels. Rows whose length is not a multiple of the type's
+    block size are returned unchanged (the exporter stores those at F16)."""
+    qtype = QTYPES[precision][0]
+    if weight.ndim < 2 or weight.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
+        return weight
+    packed = quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype)
+    return gguf.quants.dequantize(packed, qtype).reshape(weight.shape).astype(np.float32)

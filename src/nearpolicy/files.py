@@ -1,0 +1,58 @@
+"""Atomic file writes: the one owner of "a reader sees the old file or the new one, never half of either".
+
+Every file nearpolicy rewrites in place (run-folder JSON and JSONL, diagnose tables, the engine's GGUF, vLLM's
+weight file) goes through `atomic_path`: the caller writes a temporary file in the same folder, which is fsynced
+and renamed over the target only when the write finished; on any error the temporary file is removed and the
+target is untouched. Folders (checkpoints, exports, the model cache) are published the same way by their owners,
+with a temporary folder renamed into place."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path` (hidden, unique) to write; on a clean exit it is fsynced and renamed over
+    `path` and the folder is fsynced; on an exception it is deleted and `path` keeps its old contents. Raises what
+    the write or the rename raises (OSError: a full disk, a missing folder)."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
+
+
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """`data` (text as UTF-8, or bytes) as the whole new contents of `path` (atomic_path)."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding="utf-8")
+
+
+def fsync_folder(path: Path) -> None:
+    """fsync a folder so a rename inside it survives a power cut (a no-op where the OS cannot open folders)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,213 @@
+"""What a run folder must hold before a run starts in it, checked before anything loads: a new run needs a folder
+that holds no run; a --resume needs the same config except RESUMABLE_KEYS, the same data, a readable metrics.jsonl
+and steps left to run. Also the config of a run read back from its config.json (`nearpolicy train --resume
+RUN_DIR`). Loading the checkpoint itself is runs.folder.resume_checkpoint's."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
+from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_step, is_finite_number,
+                             list_checkpoints, read_json_object, read_metrics)
+from nearpolicy.signals import resume_command
+from nearpolicy.tasks.identity import data_changes, data_identity
+
+# May change on --resume: none of them changes what a step computes.
+#   run.steps, run.name, run.output_dir: how far the run goes and where its folder is (run.steps only with
+#     algorithm.lr_schedule = "constant": it is the length of a decaying schedule, check_same_config refuses it)
+#   logging.*: what is written and how often (evals, checkpoints, TensorBoard, progress bar, the mismatch metrics)
+#   run.threads, rollout.engine_threads: CPU threads; the algorithm is the same, only the float rounding of
+#     reductions may differ (as on another machine), so a bit-for-bit reproduction needs the same counts
+#   run.max_bad_steps: when to stop after non-finite steps, not what a step does (the way on after such a stop)
+#   rollout.ray_address, rollout.trainer_resources: where the trainer and replicas run
+#   engine.precision, engine.extra_buffers: the way out after an engine crash (docs/reliability.md); the change is
+#     logged (the mismatch changes with the precision)
+RESUMABLE_KEYS = ("run.steps", "run.name", "run.output_dir", "logging", "run.threads", "rollout.engine_threads",
+                  "run.max_bad_steps", "rollout.ray_address", "rollout.trainer_resources", "engine.precision",
+                  "engine.extra_buffers")
+RESTARTED_METRICS = "metrics.before-restart.jsonl"
+
+
+def stored_config(run_dir: Path, overrides: list[str] = ()) -> Config:
+    """The config of the run in `run_dir`, read back from its config.json and pointed at `run_dir` (run.output_dir,
+    run.name), with `overrides` (--set) on top. Raises ConfigError when there is no readable config.json, when an
+    override sets run.name or run.output_dir (RUN_DIR names the folder), or when the config no longer validates."""
+    run_dir = Path(run_dir)
+    if run_dir.name in ("", ".", ".."):
+        run_dir = run_dir.resolve()
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} holds no config.json, so it is not a run folder nearpolicy wrote (to resume "
+                          "by config instead: nearpolicy train CONFIG --set ... --resume)")
+    try:
+        data = read_json_object(path)
+    except RunFolderError as err:
+        raise ConfigError(str(err)) from None
+    for item in overrides:
+        keys, _ = parse_override(item)
+        if keys[:2] in (["run", "name"], ["run", "output_dir"]):
+            raise ConfigError(f"--set {item}: with --resume RUN_DIR the folder is RUN_DIR; run.name and "
+                              "run.output_dir cannot be set (move the folder instead)")
+    data.setdefault("run", {}).update(output_dir=str(run_dir.parent), name=run_dir.name)
+    try:
+        return config_from_data(copy.deepcopy(data), list(overrides), None)  # overrides edit the dict in place
+    except ConfigError as err:
+        config_from_data(data, [], path)  # the stored config alone failing: its error names config.json
+        raise ConfigError(f"--set on {path}: {err}") from None
+
+
+def check_same_config(saved_path: Path, cfg: Config) -> None:
+    """Refuse (RunExistsError) a --resume whose config differs from the run's saved config.json, except in
+    RESUMABLE_KEYS. A key the saved config lacks (added to the schema since) counts as its default."""
+    if not saved_path.exists():
+        return
+    saved = json.loads(saved_path.read_text())
+    now, default = cfg.model_dump(mode="json"), Config().model_dump(mode="json")
+    changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
+               if saved.get(section, {}).get(key, default[section][key]) != value
+               and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
+    steps_then = saved.get("run", {}).get("steps", default["run"]["steps"])
+    if steps_then != cfg.run.steps and cfg.algorithm.lr_schedule != "constant":
+        raise RunExistsError(f"--resume with run.steps {steps_then} -> {cfg.run.steps}: with algorithm.lr_schedule = "
+                             f"{cfg.algorithm.lr_schedule!r} run.steps is the schedule's length, so every later step's "
+                             "learning rate would change, so the run cannot be extended (train longer in a new "
+                             "run.name, or from this run's exported checkpoint with --set model.path=...; "
+                             "algorithm.lr_schedule = 'constant' runs can be extended)")
+    if changed:
+        allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
+        raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
+                             f"(only {allowed} and {RESUMABLE_KEYS[-1]} may change; use a new run.name)")
+
+
+def check_same_data(plan_path: Path, now: dict) -> None:
+    """Refuse (RunExistsError) a --resume whose data differs from the identity the run recorded in plan.json (runs
+    from before the record are not checked)."""
+    saved = json.loads(plan_path.read_text()).get("data") if plan_path.exists() else None
+    change = data_changes(saved, now) if saved is not None else None
+    if change:
+        raise RunExistsError(f"--resume on changed data: {change}; the run's order and held-out split come from "
+                             "the data it started with (restore it, or use a new run.name)")
+
+
+def check_not_weights_only(run_dir: Path) -> None:
+    """Refuse (RunExistsError) a --resume whose newest checkpoint holds the weights only (logging.final_weights_only):
+    it has no optimizer state to continue from. An unreadable trainer_state.json is left to the resume to skip."""
+    checkpoints = list_checkpoints(run_dir)
+    try:
+        state = json.loads((checkpoints[-1] / "trainer_state.json").read_text()) if checkpoints else {}
+    except (OSError, ValueError):
+        return
+    if isinstance(state, dict) and state.get("weights_only"):
+        older = f", or delete it to resume from {checkpoints[-2].name}" if len(checkpoints) > 1 else ""
+        raise RunExistsError(
+            f"{checkpoints[-1]} holds the weights only (the run had logging.final_weights_only = true), no optimizer "
+            f"state, so the run cannot continue from it: export it (`nearpolicy export {run_dir}`) and start a new "
+            f"run with model.path set to the exported folder{older}")
+
+
+def check_resume(run_dir: Path, cfg: Config, data: dict) -> None:
+    """Refuse a --resume before anything loads: a changed config or data (RunExistsError), a weights-only newest
+    checkpoint (RunExistsError) or a damaged metrics.jsonl (RunFolderError, which the resume would meet only after
+    the minutes of loading)."""
+    check_same_config(run_dir / "config.json", cfg)
+    check_same_data(run_dir / "plan.json", data)
+    check_not_weights_only(run_dir)
+    if (run_dir / METRICS).exists():
+        read_metrics(run_dir)
+
+
+@dataclass(frozen=True)
+class FolderCheck:
+    """What a start in the run folder will do: `data`, the data's identity (plan.json records it); `said`, in words
+    (the dry run prints it); `restart`, True when the folder holds only an interrupted start's step-0 eval, whose
+    metrics.jsonl is set aside (RESTARTED_METRICS) before the run starts over."""
+
+    data: dict
+    said: str
+    restart: bool = False
+
+
+def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
+    """Every check a start makes before anything loads; writes nothing. Raises RunExistsError (a run is there and
+    --resume was not given; a refused resume), RunFinished (--resume with no step left), RunFolderError (damaged
+    metrics) and FileNotFoundError (task.path missing)."""
+    run_dir = cfg.run.output_dir / cfg.run.name
+    data = data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
+    checkpoints = list_checkpoints(run_dir)
+    if resume:
+        check_resume(run_dir, cfg, data)
+        return _resume_check(run_dir, cfg, data, checkpoints)
+    if checkpoints:
+        raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
+                             f"with --resume ({resume_command(run_dir)}; for the main job `make train "
+                             f"ARGS=--resume`) or set a new run.name")
+    try:
+        logged = _last_logged_step(run_dir)
+    except RunFolderError as err:
+        raise RunExistsError(f"{run_dir} holds a run whose metrics cannot be read ({err}); set a new run.name") from None
+    if logged is None:
+        return FolderCheck(data, f"new run in {run_dir}")
+    if logged == 0:
+        return FolderCheck(data, f"new run in {run_dir}, which holds only the step-0 eval of an interrupted start "
+                                 f"(its metrics are kept as {RESTARTED_METRICS})", restart=True)
+    raise RunExistsError(f"{run_dir} holds a run that logged steps up to {logged} but wrote no checkpoint; pass "
+                         "--resume to start it over in this folder (its metrics are kept as "
+                         "metrics.before-resume.jsonl) or set a new run.name")
+
+
+def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path]) -> FolderCheck:
+    """What --resume will do: continue from the newest checkpoint that looks whole (runs.folder.checkpoint_step; the load
+    skips damaged ones the same way), start over without one, or nothing (RunFinished) when no step is left."""
+    found = next(((path, step) for path in reversed(checkpoints) if (step := checkpoint_step(path)) is not None), None)
+    if found is None:
+        none = "no checkpoint" if not checkpoints else "no loadable checkpoint"
+        return FolderCheck(data, f"--resume in {run_dir}, which has {none}: starts from step 0")
+    path, step = found
+    if step >= cfg.run.steps:
+        further = (f"to train further, resume with more steps: nearpolicy train --resume {run_dir} --set run.steps=N "
+                   f"(N > {step})") if cfg.algorithm.lr_schedule == "constant" else (
+            f"its {cfg.algorithm.lr_schedule} lr schedule ended at run.steps, so it cannot be extended; to train "
+            f"further, start a new run from its exported checkpoint: nearpolicy export {run_dir}, then nearpolicy "
+            f"train --set model.path={run_dir}/export/step_{step:06d} --set run.name=NEW")
+        raise RunFinished(f"nothing to do: {run_dir} is finished (its last checkpoint {path.name} is at step {step}, "
+                          f"run.steps = {cfg.run.steps}); {further}")
+    skipped = f" (newer, damaged: {', '.join(p.name for p in checkpoints[checkpoints.index(path) + 1:])})" \
+        if path != checkpoints[-1] else ""
+    return FolderCheck(data, f"resumes {run_dir} from {path.name}{skipped}: steps {step + 1} to {cfg.run.steps}")
+
+
+def _last_logged_step(run_dir: Path) -> int | None:
+    """The highest step in metrics.jsonl (0: only the step-0 eval, or no row); None without the file. Raises
+    RunFolderError when it is damaged."""
+    if not (run_dir / METRICS).exists():
+        return None
+    return max((row["step"] for row in read_metrics(run_dir).rows), default=0)
+
+
+def set_aside_restarted_metrics(run_dir: Path) -> None:
+    """Keep an interrupted start's metrics.jsonl (only its step-0 eval) as RESTARTED_METRICS (FolderCheck.restart)."""
+    (run_dir / METRICS).replace(run_dir / RESTARTED_METRICS)
+
+
+def note_engine_precision(saved: dict, precision: str, log=print) -> None:
+    """Say when a resume changes engine.precision (allowed: the way out after an engine crash) from the one the
+    checkpoint recorded (checkpoints from before the record say nothing)."""
+    before = saved.get("engine_precision")
+    if before is not None and before != precision:
+        log(f"engine.precision changes on resume: {before} -> {precision} (the weights are exported at {precision} "
+            "from now on; expect a different engine/trainer mismatch)")
+
+
+def last_eval_accuracy(run_dir: Path, step: int) -> float | None:
+    """The accuracy of the last finite eval logged at or before `step` (the progress bar's `acc=` at a resume); None
+    when none is logged or metrics.jsonl cannot be read (the resume checks have already said why)."""
+    try:
+        rows = read_metrics(run_dir).rows
+    except RunFolderError:
+        return None
+    evals = [row["eval/accuracy"] for row in rows if row["step"] <= step and is_finite_number(row.get("eval/accuracy"))]
+    return evals[-1] if evals else None
