@@ -115,6 +115,9 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
     write_atomically(target, b"\x00\x01")
     assert target.read_bytes() == b"\x00\x01"
+    with atomic_path(target, durable=True) as tmp:  # fsynced before the rename, the folder after
+        tmp.write_text("durable")
+    assert target.read_text() == "durable" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
 
 
 def test_last_step_reads_the_last_complete_line(tmp_path):

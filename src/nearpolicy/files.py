@@ -1,9 +1,10 @@
 """Atomic file writes: the one owner of "a reader sees the old file or the new one, never half of either".
 
 Every file nearpolicy rewrites in place (run-folder JSON and JSONL, diagnose tables, the engine's GGUF, vLLM's
-weight file) goes through `atomic_path`: the caller writes a temporary file in the same folder, which is fsynced
-and renamed over the target only when the write finished; on any error the temporary file is removed and the
-target is untouched. Folders (checkpoints, exports, the model cache) are published the same way by their owners,
+weight file) goes through `atomic_path`: the caller writes a temporary file in the same folder, which is renamed
+over the target only when the write finished (and, with `durable`, fsynced first, its folder after); on any error
+the temporary file is removed and the target is untouched. Durability is opt-in: scratch files rewritten every
+weight sync (vLLM's) would pay an fsync of every byte for nothing. Folders (checkpoints, exports, the model cache) are published the same way by their owners,
 with a temporary folder renamed into place."""
 
 from __future__ import annotations
@@ -16,23 +17,26 @@ from pathlib import Path
 
 
 @contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path` (hidden, unique) to write; on a clean exit it is fsynced and renamed over
-    `path` and the folder is fsynced; on an exception it is deleted and `path` keeps its old contents. Raises what
-    the write or the rename raises (OSError: a full disk, a missing folder)."""
+def atomic_path(path: Path, durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside `path` (hidden, unique) to write; on a clean exit it is renamed over `path`
+    (with `durable`: fsynced before, the folder fsynced after, so the rename survives a power cut); on an exception
+    it is deleted and `path` keeps its old contents. Raises what the write or the rename raises (OSError: a full
+    disk, a missing folder)."""
     path = Path(path)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:
         yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_folder(path.parent)
+    if durable:
+        fsync_folder(path.parent)
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:

@@ -51,9 +51,14 @@ class EngineRequest:
     version: int = 0
 
     @property
+    def precision_label(self) -> str:
+        """The precision with any per-tensor overrides, e.g. "q4_1 (blk.0=f16)"."""
+        return describe_precision_map(self.precision, self.tensor_precision)
+
+    @property
     def label(self) -> str:
         """"kind:precision" with any per-tensor overrides, e.g. "llamacpp:q4_1 (blk.0=f16)" (logs, errors)."""
-        return f"{self.kind}:{describe_precision_map(self.precision, self.tensor_precision)}"
+        return f"{self.kind}:{self.precision_label}"
 
 
 @dataclass

@@ -221,7 +221,7 @@ def build_engine(cfg: Config, session: Session, log=print):
     request = engine_request(cfg)
     gguf = None
     if kind_of(request.kind).loads == "gguf":
-        log(f"exporting the policy to GGUF ({request.label.partition(':')[2]}) and starting the {request.kind} engine "
+        log(f"exporting the policy to GGUF ({request.precision_label}) and starting the {request.kind} engine "
             "process...")
         gguf = engine_weights(cfg, session, log)()  # the first call writes the whole file
     else:

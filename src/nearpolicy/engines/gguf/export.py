@@ -196,7 +196,7 @@ def _metadata_writer(config: Any, ftype: gguf.LlamaFileType, template_gguf: Path
 def _write_atomically(writer: gguf.GGUFWriter, out_path: Path) -> None:
     """Header, metadata and tensors to a temp file beside `out_path`, fsynced, then renamed over it."""
     try:
-        with atomic_path(out_path) as tmp:
+        with atomic_path(out_path, durable=True) as tmp:
             writer.write_header_to_file(tmp)
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
