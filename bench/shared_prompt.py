@@ -28,7 +28,7 @@ from nearpolicy.config.schema import TaskConfig, load_config
 from nearpolicy.doctor import cpu_facts
 from nearpolicy.model.load import chat_prompt_ids, load_policy, pad_token_id
 from nearpolicy.tasks import make_task
-from nearpolicy.training.trainer import _update_settings
+from nearpolicy.training.trainer import update_settings
 from nearpolicy.types import Rollout, SamplingParams
 from nearpolicy.training.update import policy_update
 
@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = load_config(None)  # the main job's update: ppo_clip, tis, micro-batches of 8, old log-probs fused
-    settings, sampling = _update_settings(cfg), SamplingParams(1.0, 1.0, 0, cfg.sampling.max_new_tokens)
+    settings, sampling = update_settings(cfg), SamplingParams(1.0, 1.0, 0, cfg.sampling.max_new_tokens)
     model, tokenizer = load_policy("smollm2")
     vocab = model.get_output_embeddings().weight.shape[0]
     rollouts = make_rollouts(tokenizer, vocab, args.prompts, args.group, (args.min_length, args.max_length), seed=0)

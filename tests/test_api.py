@@ -1,6 +1,6 @@
 """The Python API (api.py) end to end on the tiny model with the in-process hf engine: a JSONL task scored by a
 reward function written to tmp_path; the rewards logged (training and eval), the metrics returned, samples.jsonl
-and the report's samples; errors; and the `__main__` guard a script needs."""
+and eval_outcomes.jsonl, and the report's samples; errors; and the `__main__` guard a script needs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 import nearpolicy
 from nearpolicy.runs.report import write_report
+from nearpolicy.runs.samples import read_outcomes
 
 PROMPTS = [f"Q{i}: is 1 < {i} & {i} > 0?" for i in range(12)]  # characters the report must escape
 REWARD = """
@@ -90,6 +91,21 @@ def test_a_python_reward_trains_through_the_api_and_its_rewards_are_logged(tiny_
     assert html.escape(samples[-1]["prompt"]) in section and samples[-1]["prompt"] not in section  # escaped
     assert section.count("<tr>") == 2 * (1 + 4)  # two evals: a header and 4 samples each
 
+
+
+def test_every_eval_records_every_eval_problems_reward_beside_the_first_samples(tiny_model_dir, tmp_path):
+    cfg = _setup(tmp_path, tiny_model_dir, "task.eval_size=6")  # more eval problems than samples.jsonl keeps
+    result = nearpolicy.train(cfg, progress=False, log=lambda _: None)
+    assert result.exit_code == 0
+    outcomes, warnings = read_outcomes(result.run_dir)
+    assert warnings == [] and [row["step"] for row in outcomes] == [0, 2]  # one row per eval
+    samples = nearpolicy.read_samples(result.run_dir)
+    assert [(s["step"], s["index"]) for s in samples] == [(0, i) for i in range(4)] + [(2, i) for i in range(4)]
+    for row in outcomes:
+        rewards = row["rewards"]
+        assert len(rewards) == 6 and set(rewards) <= {0.25, 0.75}  # one per eval problem, the parity reward's values
+        assert rewards[:4] == [s["reward"] for s in samples if s["step"] == row["step"]]  # same order as samples
+        assert result.metrics[row["step"]]["eval/accuracy"] == pytest.approx(sum(rewards) / 6, abs=1e-9)
 
 def test_train_refuses_an_existing_run_with_a_training_error(tmp_path):
     cfg = nearpolicy.load_config(None, [f"run.output_dir='{tmp_path}'", "run.name=taken"])

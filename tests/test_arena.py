@@ -6,7 +6,6 @@ tests/test_arena_run.py runs a tiny arena through the real training API."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -330,27 +329,23 @@ def test_no_difference_is_claimed_below_three_seeds_or_from_seeds_that_happen_to
     two = spread_statements([_agg("off", [0.5, 0.5]), _agg("tis", [0.6, 0.6])], "off", 64)
     assert two == ["tis vs off under q8: final +0.100: not established: 2 seeds; at least 3 needed; "
                    "best +0.100: not established: 2 seeds; at least 3 needed"]
-    # 3 equal seeds per arm on 64 problems: the SE is the binomial floor sqrt(p (1 - p) / 64 / 3), not 0;
-    # Welch df = (va + vb)^2 / ((va^2 + vb^2) / 2) = 3.99 -> 3, t = 3.182
-    va, vb = 0.55 * 0.45 / 64 / 3, 0.5 * 0.5 / 64 / 3
-    bound = 3.182 * math.sqrt(va + vb)
-    assert bound == pytest.approx(0.1620, abs=1e-4)
+    # 3 equal seeds per arm on 64 problems: the SE is the binomial floor sqrt(p (1 - p) / 64 / 3), not 0. By hand:
+    # va = 0.55 * 0.45 / 192 = 1.2891e-3, vb = 0.25 / 192 = 1.3021e-3, SE = sqrt(va + vb) = 0.050903; Welch
+    # df = (va + vb)^2 / ((va^2 + vb^2) / 2) = 3.9996 -> 3, t(0.975, 3) = 3.182; bound = 3.182 x 0.050903 = 0.162
     equal = spread_statements([_agg("off", [0.5] * 3), _agg("tis", [0.55] * 3)], "off", 64)[0]
-    assert equal.startswith(f"tis vs off under q8: final +0.050 (inside the seed spread: 95 % bound t(0.975, df 3) "
-                            f"x SE = {bound:.3f}, Welch")
+    assert equal.startswith("tis vs off under q8: final +0.050 (inside the seed spread: 95 % bound t(0.975, df 3) "
+                            "x SE = 0.162, Welch")
 
 
 def test_a_clearly_separated_difference_lies_outside_the_t_bound():
     # off 0.50 +- 0.02 vs tis 0.80 +- 0.10 on 64 problems, 4 seeds each: off's sd is below its binomial floor
+    # by hand: tis's variance 0.02 / 3, va = 1.6667e-3 (above its floor 0.8 * 0.2 / 256 = 6.25e-4); off's sd 0.016 is
+    # below its floor, vb = 0.25 / 256 = 9.7656e-4; SE = sqrt(va + vb) = 0.051412; Welch df = (va + vb)^2 /
+    # ((va^2 + vb^2) / 3) = 5.617 -> 5, t(0.975, 5) = 2.571; bound = 2.571 x 0.051412 = 0.132
     off, tis = [0.48, 0.50, 0.50, 0.52], [0.70, 0.80, 0.80, 0.90]
-    va = statistics.variance(tis) / 4  # 0.0067 / 4: above the floor 0.8 * 0.2 / 64 / 4
-    vb = 0.5 * 0.5 / 64 / 4  # off's floor: its sd 0.016 is below sqrt(0.25 / 64) = 0.0625
-    df = (va + vb) ** 2 / (va * va / 3 + vb * vb / 3)
-    assert int(df) == 5
-    bound = 2.571 * math.sqrt(va + vb)
     said = spread_statements([_agg("off", off), _agg("tis", tis)], "off", 64)[0]
-    assert said.startswith(f"tis vs off under q8: final +0.300 (OUTSIDE the seed spread: 95 % bound t(0.975, df 5) "
-                           f"x SE = {bound:.3f}, Welch")
+    assert said.startswith("tis vs off under q8: final +0.300 (OUTSIDE the seed spread: 95 % bound t(0.975, df 5) "
+                           "x SE = 0.132, Welch")
 
 
 class NanFinalTrain(FakeTrain):

@@ -172,7 +172,7 @@ def test_every_key_has_a_doc_and_nearpolicy_config_prints_each_with_default_and_
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     keys = [f"{section}.{key}" for section, s in Config.model_fields.items() for key in s.annotation.model_fields]
-    assert len(keys) == 112
+    assert len(keys) == 113
     for key in keys:
         assert f"  {key} = " in out, key
     lines = out.splitlines()
@@ -244,3 +244,19 @@ def test_config_built_in_python_raises_config_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"'algorithm\.lr': Input should be greater than 0 \(got -1\)"):
         PublicConfig(algorithm={"lr": -1})
     assert PublicConfig(run={"name": "ok", "steps": 3}).run.steps == 3
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "mc_grpo", "mc_grpo_mad", "mc_grpo_released"])
+def test_a_group_of_one_is_refused_for_group_relative_estimators(estimator):
+    """TRL #3199 / #7060: with group_size = 1 every group-relative advantage is 0 and the run trains on nothing."""
+    with pytest.raises(ConfigError, match=rf"algorithm\.group_size = 1 with algorithm\.advantage = '{estimator}'"):
+        load_config(None, ["algorithm.group_size=1", f"algorithm.advantage={estimator}"])
+    assert load_config(None, ["algorithm.group_size=2", f"algorithm.advantage={estimator}"]).algorithm.group_size == 2
+
+
+def test_a_group_of_one_is_accepted_where_something_else_gives_the_signal():
+    assert load_config(None, ["algorithm.group_size=1", "algorithm.advantage=reinforce"]).algorithm.group_size == 1
+    pure = load_config(None, ["algorithm.group_size=1", "distill.teacher=smollm2"])  # distillation alone
+    assert pure.algorithm.group_size == 1
+    with pytest.raises(ConfigError, match="algorithm.group_size = 1"):  # the task's part would be 0
+        load_config(None, ["algorithm.group_size=1", "distill.teacher=smollm2", "distill.reward_weight=0.5"])

@@ -56,7 +56,7 @@ def test_entropy_is_detached_unless_asked_and_logprob_gradient_alone_is_exact():
     picked.sum().backward()
     ref = logits.detach().clone().requires_grad_(True)
     unfused(ref, ids, 0.9)[0].sum().backward()
-    assert torch.allclose(logits.grad, ref.grad, atol=1e-12)
+    assert torch.allclose(logits.grad, ref.grad, rtol=0, atol=1e-12)
 
 
 def test_large_logits_stay_finite():
@@ -89,7 +89,7 @@ def test_the_trainer_entry_point_uses_it_only_without_top_k_and_top_p(monkeypatc
     via_kept_set = logprobs.token_logprobs_and_entropy(logits, ids, 0.7, top_k=5)
     assert calls == [1]
     ref = unfused(logits, ids, 0.7)
-    assert torch.allclose(fused[0], ref[0], atol=1e-12) and torch.allclose(fused[1], ref[1], atol=1e-12)
+    assert torch.allclose(fused[0], ref[0], rtol=0, atol=1e-12) and torch.allclose(fused[1], ref[1], rtol=0, atol=1e-12)
     # top-k renormalises over 5 tokens: the unfused kept-set path ran, so the entropies differ
     assert not torch.allclose(via_kept_set[1], ref[1], atol=1e-6)
 
@@ -107,8 +107,8 @@ def test_a_minus_inf_logit_gives_finite_values_and_gradients_like_the_unfused_pa
     ref_picked, ref_entropy = unfused(ref_logits, ids, 0.8)
     (ref_picked.sum() + 0.5 * ref_entropy.sum()).backward()
     assert torch.isfinite(entropy).all() and torch.isfinite(logits.grad).all()
-    assert torch.allclose(picked, ref_picked, atol=1e-12) and torch.allclose(entropy, ref_entropy, atol=1e-12)
-    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-12)
+    assert torch.allclose(picked, ref_picked, rtol=0, atol=1e-12) and torch.allclose(entropy, ref_entropy, rtol=0, atol=1e-12)
+    assert torch.allclose(logits.grad, ref_logits.grad, rtol=0, atol=1e-12)
     assert float(logits.grad[:, 7].abs().max()) == 0.0
 
 

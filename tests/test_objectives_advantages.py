@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from nearpolicy.ops.advantages import ADVANTAGES, compute_advantages, mc_grpo_advantages, mc_grpo_pivot
+from nearpolicy.ops.advantages import (ADVANTAGES, GROUP_RELATIVE, compute_advantages, mc_grpo_advantages,
+                                      mc_grpo_pivot)
 from nearpolicy.ops.losses import PolicyLossInput, policy_loss, PolicyLossParams
 
 torch.set_default_dtype(torch.float64)  # for module-level constants; tests: conftest._default_dtype
@@ -142,3 +143,16 @@ def test_std_below_the_floor_is_not_divided_by():
     adv = compute_advantages("grpo", rewards, torch.tensor([0, 0, 1, 1])).advantages
     assert torch.allclose(adv[:2], torch.tensor([-5e-9, 5e-9], dtype=torch.float64), rtol=1e-6, atol=0)
     assert torch.allclose(adv[2:], torch.tensor([-1.0, 1.0], dtype=torch.float64) / math.sqrt(2), rtol=1e-12, atol=0)
+
+
+def test_group_relative_names_exactly_the_estimators_that_give_a_singleton_group_zero():
+    """ops/advantages.GROUP_RELATIVE (what config refuses with algorithm.group_size = 1) is held to the registry: a
+    batch of singleton groups gets advantage 0 everywhere from exactly these, the reward itself from the others."""
+    rewards, groups = torch.tensor([0.25, 1.0, 0.0, 0.5]), torch.tensor([0, 1, 2, 3])
+    for name in ADVANTAGES.names():
+        out = compute_advantages(name, rewards, groups).advantages
+        if name in GROUP_RELATIVE:
+            assert torch.equal(out, torch.zeros(4)), name
+        else:
+            assert torch.equal(out, rewards), name
+    assert GROUP_RELATIVE <= set(ADVANTAGES.names())

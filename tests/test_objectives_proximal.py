@@ -151,13 +151,34 @@ def test_opd_advantages_loop_reference_with_discount():
     for coef, gamma in ((1.0, 0.0), (0.5, 0.9)):
         adv, metrics = opd_advantages(student, teacher, mask, coef, gamma)
         for i in range(student.shape[0]):
+            valid = [k for k in range(student.shape[1]) if mask[i, k]]  # one discount step per valid token
             for t in range(student.shape[1]):
-                rew = [-coef * float(student[i, k] - teacher[i, k]) if mask[i, k] else 0.0 for k in range(student.shape[1])]
-                ref = sum(gamma ** (k - t) * rew[k] for k in range(t, len(rew))) if mask[i, t] else 0.0
-                assert adv[i, t].item() == pytest.approx(ref, rel=1e-12, abs=1e-15)
+                later = [k for k in valid if k >= t]
+                ref = sum(gamma ** j * -coef * float(student[i, k] - teacher[i, k]) for j, k in enumerate(later))
+                assert adv[i, t].item() == pytest.approx(ref if mask[i, t] else 0.0, rel=1e-12, abs=1e-15)
         rkl = torch.where(mask, student - teacher, 0.0)
         assert metrics["teacher_kl"].item() == pytest.approx((rkl.sum() / mask.sum()).item(), rel=1e-13)
     assert torch.equal(reverse_kl_tokens(student, student.clone(), mask), torch.zeros_like(student))
+
+
+def test_opd_discount_carries_the_return_through_observation_tokens():
+    # verl #7278's case: gamma 0.5, tool observation at positions 2-3, rewards -rkl = [0, 0, ., ., 2]: the fixed
+    # semantics give [0.5, 1.0, 0, 0, 2.0] (one step per model token), not [0.125, 0.25, 0, 0, 2.0]
+    student = torch.tensor([[-1.0, -1.0, float("nan"), float("inf"), -3.0]])
+    teacher = torch.tensor([[-1.0, -1.0, 0.0, float("nan"), -1.0]])
+    model_tokens = torch.tensor([[True, True, False, False, True]])
+    adv, _ = opd_advantages(student, teacher, model_tokens, 1.0, 0.5)
+    assert adv.tolist() == [[0.5, 1.0, 0.0, 0.0, 2.0]]
+    # inserting three observation tokens leaves every model token's advantage exactly where it was
+    g = torch.Generator().manual_seed(11)
+    s, t = -torch.rand(1, 6, generator=g) * 3, -torch.rand(1, 6, generator=g) * 3
+    plain, _ = opd_advantages(s, t, torch.ones(1, 6, dtype=torch.bool), 0.7, 0.9)
+    nan3 = torch.full((1, 3), float("nan"))  # three observation tokens: their log-probs are never read
+    s_obs, t_obs = (torch.cat([x[:, :3], nan3, x[:, 3:]], 1) for x in (s, t))
+    model_tokens = torch.tensor([[True] * 3 + [False] * 3 + [True] * 3])
+    with_obs, _ = opd_advantages(s_obs, t_obs, model_tokens, 0.7, 0.9)
+    assert torch.equal(with_obs[:, [0, 1, 2, 6, 7, 8]], plain)
+    assert torch.equal(with_obs[:, 3:6], torch.zeros(1, 3))
 
 
 def test_opd_loss_is_tinker_importance_sampling_with_engine_logprobs():

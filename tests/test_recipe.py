@@ -64,6 +64,26 @@ def test_entropy_bonus_gradient_is_the_analytic_one():
     assert float(metrics["entropy_bonus"]) == pytest.approx(coef * float(h[0, :2].mean()), rel=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_the_logged_entropy_bonus_is_the_term_in_the_loss(mode):
+    """actor/entropy_bonus is what the loss subtracts, aggregated like it (it was c x the token mean in every mode:
+    0.0120 logged against 0.0150 in the loss for seq-mean-token-mean here)."""
+    from nearpolicy.ops.masked import aggregation_denominator
+
+    entropy = torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.0, 0.0, 0.0, 0.0], [float("nan"), 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, True], [True, False, False, False], [False, False, False, False]])
+    lp = torch.full((3, 4), -1.0, requires_grad=True)
+    coef, denom = 0.01, aggregation_denominator(mask, mode, 4.0)
+    inp = PolicyLossInput(lp, lp.detach(), torch.tensor([0.5, -0.5, 1.0]), mask, 5, None, None, entropy)
+    with_bonus, metrics = policy_loss("ppo_clip", inp, PolicyLossParams(entropy_coef=coef), mode, denom)
+    without, _ = policy_loss("ppo_clip", inp, PolicyLossParams(), mode, denom)
+    # by hand: 5 tokens of entropy (1, 1, 1, 1, 2), sums per sequence 4 and 2, means 1 and 2, 2 non-empty sequences
+    want = {"token-mean": 6 / 5, "seq-mean-token-mean": (1 + 2) / 2, "seq-mean-token-sum": (4 + 2) / 2,
+            "seq-mean-token-sum-norm": (4 + 2) / (2 * 4.0)}[mode]
+    assert float(metrics["entropy_bonus"]) == pytest.approx(coef * want, rel=1e-6)
+    assert (without - with_bonus).item() == pytest.approx(coef * want, rel=1e-5)
+
+
 def test_entropy_bonus_needs_the_entropy():
     lp = torch.zeros(1, 2, requires_grad=True)
     inp = PolicyLossInput(lp, lp.detach(), torch.ones(1), torch.ones(1, 2, dtype=torch.bool), 2)

@@ -260,6 +260,29 @@ def test_bad_step_guard_counts_and_stops_after_k_in_a_row():
     assert (restored.total, restored.consecutive) == (3, 2)
 
 
+def test_a_step_whose_every_advantage_is_zero_is_warned_about():
+    """group_size 1 with a group-relative estimator, or every group constant: the step trains on nothing (TRL #3199)."""
+    from nearpolicy.ops.advantages import compute_advantages
+    from nearpolicy.training.phases import advantage_signal
+
+    singletons = compute_advantages("grpo", torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 1, 2]))
+    mask = torch.tensor([[True, True], [True, False], [True, True]])
+    idle = advantage_signal(singletons.advantages, singletons.keep, mask)
+    assert idle == {"advantage/nonzero_frac": 0.0}
+    mixed = compute_advantages("grpo", torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert advantage_signal(mixed.advantages, torch.tensor([True, True, True, False]),
+                            torch.ones(4, 2, dtype=torch.bool)) == {"advantage/nonzero_frac": 2 / 3}
+    token = torch.tensor([[0.0, 0.3], [0.0, 0.7], [0.0, 0.0]])  # [N, T]: row 1's 0.7 is at a masked token
+    assert advantage_signal(token, torch.ones(3, dtype=torch.bool), mask)["advantage/nonzero_frac"] == 1 / 3
+    assert advantage_signal(token, torch.ones(3, dtype=torch.bool), mask & False)["advantage/nonzero_frac"] == 0.0
+    logs = []
+    BadStepGuard(3).observe(5, {**idle, "actor/skipped_minibatches": 0.0}, logs.append)
+    assert logs == ["warning: step 5: no sample has a nonzero advantage (every group constant, a singleton or "
+                    "unscorable): the policy-gradient term of this step trains on nothing"]
+    BadStepGuard(3).observe(6, {"advantage/nonzero_frac": 0.25, "actor/skipped_minibatches": 0.0}, logs.append)
+    assert len(logs) == 1
+
+
 def test_prompt_longer_than_the_context_is_named():
     prompt_ids = lambda problem: list(range(problem))  # noqa: E731 - a "problem" here is its prompt length
     check_prompt_lengths(prompt_ids, {"train": [10, 20], "eval": [26]}, max_context=32, max_new_tokens=6)
@@ -425,7 +448,7 @@ def test_ctrl_c_whose_keyboardinterrupt_a_finalizer_drops_still_stops_the_startu
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in `nearpolicy`; an xdist worker has its own
     try:
         assert build_trainer(Config(), False, print) == (None, (130, "interrupted during startup; nothing was trained"))
-        assert [d.exc_type for d in dropped] == [KeyboardInterrupt]  # the interpreter did drop it
+        assert [issubclass(d.exc_type, KeyboardInterrupt) for d in dropped] == [True]  # the interpreter did drop it
         assert built.closed and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, outer)

@@ -142,8 +142,8 @@ def test_resume_on_changed_jsonl_data_is_refused_naming_the_change(tiny_model_di
     extra = ("task.kind=jsonl", f"task.path='{data}'")
     trainer, _ = _trainer(tiny_model_dir, tmp_path, *extra)
     plan = json.loads((trainer.run_dir / "plan.json").read_text())
-    assert plan["data"] == {"kind": "jsonl", "path": str(data), "sha256": before, "bytes": data.stat().st_size,
-                            "lines": 100}
+    assert plan["data"] == {"kind": "jsonl", "path": str(data), "resolved": str(data.resolve()), "sha256": before,
+                            "bytes": data.stat().st_size, "lines": 100}
     trainer.close()
     with data.open("a") as handle:
         handle.write("".join(json.dumps({"prompt": f"What is {i} - 1?", "answer": i - 1}) + "\n" for i in range(11)))

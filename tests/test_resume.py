@@ -167,6 +167,35 @@ def test_stored_config_is_the_runs_own_config_pointed_at_its_folder_with_sets_on
         stored_config(tmp_path, [])
 
 
+def test_a_relative_task_path_is_read_from_where_the_run_started_on_resume_run_dir(tmp_path, monkeypatch):
+    """Issue 38 item 7: `--resume RUN_DIR` from another folder read a relative task.path from the current folder (the
+    file was not there, or another one of the same name was). plan.json records the absolute path; the resume reads
+    that file, and the config counts as unchanged; a run without the record is told where the path is read from."""
+    from nearpolicy.tasks.identity import data_identity
+
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir(), elsewhere.mkdir()
+    (started / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
+                                               for i in range(8)))
+    monkeypatch.chdir(started)
+    cfg = _cfg(tmp_path / "runs", "task.kind=jsonl", "task.path='data.jsonl'")
+    run = _folder(cfg, logged=[0, 1], checkpoints=[1])
+    write_json(run / "plan.json", {"data": data_identity("jsonl", cfg.task.path)})
+    monkeypatch.chdir(elsewhere)
+    (elsewhere / "data.jsonl").write_text('{"prompt": "other", "answer": 1}\n')  # a different file, same name
+    got = stored_config(run)
+    assert got.task.path == started / "data.jsonl"
+    assert check_run_folder(got, resume=True).said == f"resumes {run} from step_000001: steps 2 to {cfg.run.steps}"
+    monkeypatch.chdir(started)  # `train CONFIG --resume` from where it started: the relative path, the same file
+    assert check_run_folder(cfg, resume=True).data["resolved"] == str(started / "data.jsonl")
+    (run / "plan.json").unlink()  # a run from before the record, resumed from a folder without the file
+    (elsewhere / "data.jsonl").unlink()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ConfigError, match=rf"task.path data.jsonl of .*config.json is relative and is read from the "
+                                          rf"current folder {elsewhere}, where it does not exist"):
+        stored_config(run)
+
+
 @pytest.mark.slow  # two short training runs through the real CLI
 def test_plain_retry_after_an_interrupted_start_then_resume_by_run_dir_through_the_cli(tiny_gguf_factory, tmp_path):
     from test_cli import _base, _metrics, _train

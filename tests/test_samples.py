@@ -1,5 +1,6 @@
-"""samples.jsonl (runs/samples.py): the rows an eval writes (training.phases.eval_samples), NaN as null, the truncation on resume,
-the lenient reader, and the report's "Eval samples" section (newest evals first, HTML-escaped)."""
+"""samples.jsonl and eval_outcomes.jsonl (runs/samples.py): the rows an eval writes (training.phases.eval_samples; every
+problem's reward), NaN as null, the truncation on resume, the lenient readers, and the report's "Eval samples" section
+(newest evals first, HTML-escaped)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from nearpolicy.training.phases import eval_samples
 from nearpolicy.runs.report import SAMPLE_EVALS, Run, load_run, samples_section
-from nearpolicy.runs.samples import SAMPLES_PER_EVAL, SampleLog, read_samples
+from nearpolicy.runs.samples import SAMPLES_PER_EVAL, SampleLog, read_outcomes, read_samples
 from nearpolicy.tasks import Problem
 from nearpolicy.tasks.scoring import ScoreResult
 
@@ -80,6 +81,49 @@ def test_unreadable_lines_are_skipped_with_a_warning(tmp_path):
                                                    "skipped line 3, not a sample object with an integer 'step'",
                                                    "skipped line 5, not a sample object with an integer 'step'"]
 
+
+
+def test_the_outcome_log_writes_one_line_per_eval_with_every_reward_nan_as_null(tmp_path):
+    log = SampleLog(tmp_path)
+    log.write_outcomes(10, [1.0, 0.0, 0.5])
+    log.write_outcomes(0, [math.nan, math.inf, 0.25])
+    lines = (tmp_path / "eval_outcomes.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 10, "rewards": [1.0, 0.0, 0.5]},
+                                                    {"step": 0, "rewards": [None, None, 0.25]}]
+    assert read_outcomes(tmp_path) == ([{"step": 0, "rewards": [None, None, 0.25]},
+                                        {"step": 10, "rewards": [1.0, 0.0, 0.5]}], [])
+
+
+@pytest.mark.parametrize("resumed_at,kept", [(0, []), (10, [0, 10]), (20, [0, 10, 20])])
+def test_a_resume_cuts_the_outcomes_back_as_it_cuts_the_samples(tmp_path, resumed_at, kept):
+    log = SampleLog(tmp_path)
+    for step in (0, 10, 20):
+        log.write([_row(step)])
+        log.write_outcomes(step, [1.0, 0.0])
+    with (tmp_path / "eval_outcomes.jsonl").open("a") as f:
+        f.write("not json\n")
+    SampleLog(tmp_path, resumed_at=resumed_at)
+    rows, warnings = read_outcomes(tmp_path)
+    assert [r["step"] for r in rows] == kept == [r["step"] for r in read_samples(tmp_path)[0]]
+    aside = tmp_path / "eval_outcomes.before-restart.jsonl"
+    if resumed_at == 0:  # a start over moves the earlier start's outcomes aside, unreadable line and all
+        assert aside.read_text().splitlines()[-1] == "not json" and warnings == []
+        assert [json.loads(line)["step"] for line in aside.read_text().splitlines()[:3]] == [0, 10, 20]
+    else:  # the line it cannot read is kept, and skipped by the reader with a warning
+        assert not aside.exists() and warnings == [f"{tmp_path / 'eval_outcomes.jsonl'}: skipped line {len(kept) + 1}, "
+                                                   "not an outcome object with an integer 'step' and a list 'rewards' "
+                                                   "of numbers or null"]
+
+
+def test_the_outcome_reader_skips_rows_that_are_not_step_and_rewards(tmp_path):
+    assert read_outcomes(tmp_path) == ([], [])  # a run from before the file existed
+    good = {"step": 2, "rewards": [1, None, 0.5]}
+    bad = [{"step": 1}, {"step": True, "rewards": []}, {"step": 3, "rewards": ["1"]}, {"step": 4, "rewards": 1.0},
+           {"step": 5, "rewards": [True]}]
+    (tmp_path / "eval_outcomes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [good, *bad]))
+    rows, warnings = read_outcomes(tmp_path)
+    assert rows == [good] and [w.split(": ")[1].split(",")[0] for w in warnings] == [f"skipped line {n}"
+                                                                                   for n in range(2, 7)]
 
 def test_the_report_shows_the_newest_evals_escaped():
     rows = [_row(step, i, prompt=f"<script>alert({step})</script>", response="a & b") for step in (0, 10, 20, 30)

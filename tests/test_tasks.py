@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nearpolicy.tasks import Problem, Task, make_task, safe_score
+from nearpolicy.tasks.factory import describe_task
 from nearpolicy.tasks.answers import extract_final_answer
 from nearpolicy.tasks.jsonl import JsonlTask
 from nearpolicy.tasks.reasoning_gym import ReasoningGymTask
@@ -201,6 +203,28 @@ def test_jsonl_split_disjoint_and_deterministic(tmp_path: Path) -> None:
     assert [again.train_problem(i).question for i in range(15)] == train_q
     assert task.train_problem(15 + 2) == task.train_problem(2)
     assert JsonlTask(path, 100, 0, 1).eval_size == 10  # at most half the file
+
+
+def test_jsonl_split_is_by_prompt_so_a_repeated_prompt_never_lands_in_both(tmp_path: Path) -> None:
+    """OpenRLHF #1089: 50 lines of 40 distinct prompts (prompts 0-9 twice); split by line index, 6 of 10 eval
+    questions were also trained on. By prompt: none is, and the lines dropped for it are counted and reported."""
+    lines = _rows(40) + _rows(10)
+    task = JsonlTask(_write(tmp_path, lines), 10, seed=0, eval_seed=1)
+    eval_q = [p.question for p in task.eval_problems()]
+    train_q = [task.train_problem(i).question for i in range(task.train_size)]
+    assert len(eval_q) == len(set(eval_q)) == 10 and not set(eval_q) & set(train_q)
+    counts = {q: sum(json.loads(line)["prompt"] == q for line in lines) for q in eval_q}
+    assert task.dropped_overlap == sum(counts.values()) - 10 > 0  # the held-out prompts' second lines
+    assert task.train_size == 50 - sum(counts.values())
+    assert sorted(set(train_q) | set(eval_q)) == sorted(json.loads(r)["prompt"] for r in _rows(40))
+    assert f"{task.dropped_overlap} training problem(s) dropped as duplicates of eval problems" in describe_task(task)
+    # a file without repeats splits as it did by line: its eval lines are the same
+    plain = JsonlTask(_write(tmp_path, _rows(40)), 10, seed=0, eval_seed=1)
+    order = list(range(40))
+    random.Random(1).shuffle(order)
+    assert [p.question for p in plain.eval_problems()] == [f"What is {i} + {i}?" for i in sorted(order[:10])]
+    assert plain.dropped_overlap == 0 and plain.train_size == 30
+    assert JsonlTask(_write(tmp_path, lines[:2] + lines[:2]), 5, 0, 1).eval_size == 1  # half the distinct prompts
 
 
 # ---------------------------------------------------------------- factory and safe_score

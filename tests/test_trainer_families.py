@@ -9,10 +9,12 @@ A few real-CLI, real-llama.cpp runs of the same families stay as end-to-end smok
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from nearpolicy.config.schema import load_config
 from nearpolicy.engines.fake import OffsetEngine
@@ -21,6 +23,7 @@ from nearpolicy.ops.correction_presets import CORRECTIONS
 from nearpolicy.ops.kl import KL_ESTIMATORS
 from nearpolicy.ops.losses import POLICY_LOSSES
 from nearpolicy.tasks.base import Problem
+from test_objectives_advantages import _loop_reference
 
 
 class LengthParityTask:
@@ -121,12 +124,58 @@ def test_every_policy_loss_trains_on_a_known_mismatch(tiny_model_dir, tmp_path, 
     assert any(row["actor/grad_norm"] > 0 for row in rows)  # mixed rewards: some group moves the policy
 
 
+def record_advantages(monkeypatch) -> list[tuple[list[tuple[int, int, int, float]], object, torch.Tensor]]:
+    """Wrap training/trainer.step_advantages: each step appends ((group id, sample index, completion length, reward)
+    per rollout in batch order, the AdvantageResult, the advantages it returned)."""
+    from nearpolicy.training import trainer
+
+    seen, real = [], trainer.step_advantages
+
+    def recording(cfg, session, rollouts, batch, sampling, problems=None, rejected=None):
+        out = real(cfg, session, rollouts, batch, sampling, problems, rejected)
+        seen.append(([(r.group_id, r.sample_index, len(r.completion_ids), r.reward) for r in rollouts], out[1], out[2]))
+        return out
+
+    monkeypatch.setattr(trainer, "step_advantages", recording)
+    return seen
+
+
+def _reference_advantages(name: str, rewards: list[float]) -> tuple[list[float], list[bool]]:
+    """One group's advantages and keep-mask by hand (plain Python; MC-GRPO: test_objectives_advantages' loop)."""
+    n, mean = len(rewards), statistics.fmean(rewards)
+    if name == "reinforce":
+        return list(rewards), [True] * n
+    if name in ("mc_grpo", "mc_grpo_mad", "mc_grpo_released"):
+        scale = "none" if name == "mc_grpo" else "mad"
+        adv, keep = _loop_reference(torch.tensor(rewards, dtype=torch.float64), torch.zeros(n, dtype=torch.long), scale,
+                                    name == "mc_grpo_released")
+        return adv.tolist(), keep.tolist()
+    if name == "grpo":
+        std = statistics.stdev(rewards)
+        return [(r - mean) / std if std > 1e-6 else r - mean for r in rewards], [True] * n
+    if name == "dr_grpo":
+        return [r - mean for r in rewards], [True] * n
+    assert name == "rloo", f"no reference for {name}: add one"
+    return [n / (n - 1) * (r - mean) for r in rewards], [True] * n
+
+
 @pytest.mark.parametrize("advantage", ADVANTAGES.names())
-def test_every_advantage_estimator_trains(tiny_model_dir, tmp_path, advantage):
+def test_every_advantage_estimator_trains(tiny_model_dir, tmp_path, advantage, monkeypatch):
+    """The advantages the real Trainer trains on are the estimator's, computed here by hand from the rewards."""
+    seen = record_advantages(monkeypatch)
     rows, offsets = _run(tiny_model_dir, tmp_path, advantage, f"algorithm.advantage={advantage}")
     for row, offs in zip(rows, offsets):
         _assert_measured_mismatch_is_the_offset(row, offs)
         _assert_finite_update(row)
+    nonzero = 0
+    for samples, result, advantages in seen:
+        for group in sorted({g for g, *_ in samples}):
+            rows_of = [k for k, (g, *_) in enumerate(samples) if g == group]
+            want, keep = _reference_advantages(advantage, [samples[k][3] for k in rows_of])
+            assert [float(advantages[k]) for k in rows_of] == pytest.approx(want, rel=1e-5, abs=1e-6)
+            assert [bool(result.keep[k]) for k in rows_of] == keep
+            nonzero += any(a != 0 for a in want)
+    assert nonzero > 0  # mixed rewards: the comparison is not over zeros only
 
 
 @pytest.mark.parametrize("estimator", KL_ESTIMATORS.names())
@@ -160,7 +209,21 @@ def test_self_normalised_is_has_unit_mean_weight(tiny_model_dir, tmp_path):
     assert all(row["correction/sn_factor"] > 0 for row in rows)
 
 
-def test_dlc_center_and_ais_mix_are_reported(tiny_model_dir, tmp_path):
-    rows, _ = _run(tiny_model_dir, tmp_path, "dlc", "correction.preset=token_is", "correction.center=log_mean",
-                   "correction.adaptive_mix=ais", noise=0.3)
-    assert all(0 <= row["ais/lambda"] <= 1 and math.isfinite(row["correction/dlc_center"]) for row in rows)
+def test_dlc_center_and_ais_mix_follow_the_known_mismatch(tiny_model_dir, tmp_path):
+    """log rho = old - rollout = -offset per token (the hf fp32 engine and the trainer agree to ~1e-6 nats): the DLC
+    centre is its mean, and the AIS lambda (docs/math.md sec. 14) is computed here from the centred log-ratios."""
+    rows, offsets = _run(tiny_model_dir, tmp_path, "dlc", "correction.preset=token_is", "correction.center=log_mean",
+                         "correction.adaptive_mix=ais", noise=0.3)
+    for row, offs in zip(rows, offsets):
+        log_rho = -offs
+        center = log_rho.mean()
+        assert row["correction/dlc_center"] == pytest.approx(center, abs=1e-5)
+        w = np.exp(log_rho - center)
+        reliability = w.sum() ** 2 / (len(w) * (w * w).sum())
+        severity = np.mean(w - 1 - (log_rho - center))
+        amplification = max(np.mean(w * w) - 1, 0.0)
+        lam = severity / (severity + 1e-3) * reliability / (1 + amplification)
+        assert (row["ais/reliability"], row["ais/severity"], row["ais/amplification"]) == pytest.approx(
+            (reliability, severity, amplification), rel=1e-3, abs=1e-6)
+        assert row["ais/lambda"] == pytest.approx(lam, rel=1e-3)
+        assert 0.5 < lam < 1  # noise 0.3: a real, not a degenerate, mix

@@ -142,7 +142,8 @@ def test_an_unscorable_sample_leaves_the_loss_denominator(model_and_batch):
     cfg = load_config(None, ["algorithm.group_size=2", "algorithm.prompts_per_step=3", "algorithm.micro_batch_size=2",
                              "algorithm.shared_prompt=false"])
     session = SimpleNamespace(pad_id=2, vocab_size=49152, teacher=None)
-    _, adv, full, advantages, _ = step_advantages(cfg, session, rollouts, SAMPLING)
+    full = collate(rollouts, 2, 49152, shared_prompt=False)
+    _, adv, advantages, _ = step_advantages(cfg, session, rollouts, full, SAMPLING)
     assert adv.keep.tolist() == [True, True, True, False, True, True]
     grads = {}
     for name, b, a, keep in (("with", full, advantages, adv.keep),
@@ -152,8 +153,8 @@ def test_an_unscorable_sample_leaves_the_loss_denominator(model_and_batch):
         opt.step = lambda m=m, name=name: grads.update({name: {n: p.grad.clone() for n, p in m.named_parameters()}})
         old = recompute_logprobs(m, b, SAMPLING, 2)[0]
         policy_update(m, opt, b, old, a, SAMPLING, _settings(1, 2), sample_keep=keep)
-    for n, g in grads["without"].items():
-        torch.testing.assert_close(grads["with"][n], g, rtol=1e-5, atol=1e-8)
+    for n, g in grads["without"].items():  # float32 sums over other row sets: by relative norm, as above (a leaked
+        assert float((grads["with"][n] - g).norm() / g.norm()) < 1e-5, n  # sample would dilute the mean by 5/6)
 
 
 def _rollouts_of(batch):

@@ -2,7 +2,7 @@
 --resume RUN_DIR [--set ...]`, `nearpolicy list [NAME]`, `nearpolicy config`, `nearpolicy summary RUN_DIR`,
 `nearpolicy report RUN_DIR [-o OUT.html]`, `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`,
 `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy arena ARENA.toml [--out DIR] [--dry-run]
-[--only CELL_GLOB] [--page]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
+[--only CELL_GLOB] [--page]`, `nearpolicy gradbias [CONFIG] [--sources ...] [--corrections ...]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
 [--gguf PRECISION ...]`, `nearpolicy doctor`, `nearpolicy --version`."""
 
 from __future__ import annotations
@@ -59,19 +59,26 @@ def _train_config(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
-    loaded = _train_config(args)
-    if loaded is None:
-        return 2
-    cfg, resume = loaded
-    if args.dry_run:
-        from nearpolicy.training.run import dry_run
+    from nearpolicy.signals import StartupInterrupt, startup_stop
 
-        code, text, message = dry_run(cfg, resume)
-        print(text, end="")
+    try:
+        with StartupInterrupt():  # Ctrl-C / SIGTERM while importing and reading the config: a line, not a traceback
+            loaded = _train_config(args)
+            if loaded is None:
+                return 2
+            cfg, resume = loaded
+            if args.dry_run:
+                from nearpolicy.training.run import dry_run
+
+                code, text, message = dry_run(cfg, resume)
+                print(text, end="")
+                print(message, file=sys.stderr)
+                return code
+            from nearpolicy.api import run_training
+    except KeyboardInterrupt as err:
+        code, message = startup_stop(err)
         print(message, file=sys.stderr)
         return code
-    from nearpolicy.api import run_training
-
     code, message = run_training(cfg, resume)
     if message:
         print(message, file=sys.stderr)
@@ -309,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     from nearpolicy.arena.command import add_arena_parser
 
     add_arena_parser(sub)
+    from nearpolicy.gradbias.command import add_gradbias_parser
+
+    add_gradbias_parser(sub)
     doc = sub.add_parser("doctor", help="what a bug report needs: CPU flags, llama.cpp features and probe, torch "
                          "GEMM speed, disk, Chromium; exit 1 when a required piece is missing")
     doc.add_argument("--runs", type=Path, default=Path("runs"), help="where checkpoints go (free disk is measured there)")

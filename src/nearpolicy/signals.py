@@ -1,7 +1,9 @@
 """Graceful stop on SIGINT / SIGTERM: the first signal asks the run to stop after the step in progress (which then
 writes a checkpoint of that completed step); a second one aborts at once (KeyboardInterrupt), keeping the last
-checkpoint already on disk. During start-up (StartupInterrupt) Ctrl-C raises KeyboardInterrupt at once, as usual,
-and is also recorded, so that one raised inside a finalizer (which Python drops) still stops the run."""
+checkpoint already on disk. During start-up (StartupInterrupt: imports, config, model loading) SIGINT and SIGTERM
+raise StartupSignal (a KeyboardInterrupt) at once, so the start-up unwinds (its cleanup runs) and ends with a line
+saying what stopped it and exit 128 + the signal (startup_stop), never a traceback nor SIGTERM's silent 143; the
+signal is also recorded, so that one raised inside a finalizer (which Python drops) still stops the run."""
 
 from __future__ import annotations
 
@@ -56,32 +58,53 @@ class StopRequested(Exception):
         return 128 + self.signum  # the shell convention: 130 for SIGINT, 143 for SIGTERM
 
 
+class StartupSignal(KeyboardInterrupt):
+    """SIGINT or SIGTERM during start-up (StartupInterrupt); `signum` says which."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def startup_stop(err: KeyboardInterrupt | None = None, signum: int | None = None) -> tuple[int, str]:
+    """(exit code, message) of a start-up stopped by `err` (a StartupSignal, or Python's own KeyboardInterrupt:
+    SIGINT) or by `signum`: 130 "interrupted during startup; ..." for SIGINT, 143 "stopped by SIGTERM during startup;
+    ..." for SIGTERM."""
+    signum = signum if signum is not None else getattr(err, "signum", signal.SIGINT)
+    said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    return 128 + signum, f"{said} during startup; nothing was trained"
+
+
 class StartupInterrupt:
-    """Context manager for a run's start-up (model loading, engine start: no step to stop after): SIGINT raises
-    KeyboardInterrupt at once, as Python's own handler does, and is also recorded in `signum`. Python drops an
-    exception raised inside a finalizer ("Exception ignored in ...": a __del__ or weakref callback that the garbage
-    collector runs, e.g. tqdm's as transformers' "Loading weights" bar ends), and with it the Ctrl-C, so the caller
-    checks `signum` after the start-up too. Main thread only, and only in place of Python's own SIGINT handler
-    (another one, or SIG_IGN, is left alone)."""
+    """Context manager for a run's start-up (imports, model loading, engine start: no step to stop after): SIGINT and
+    SIGTERM raise StartupSignal (a KeyboardInterrupt) at once, as Python's own SIGINT handler does, and are recorded
+    in `signum`. Python drops an exception raised inside a finalizer ("Exception ignored in ...": a __del__ or
+    weakref callback that the garbage collector runs, e.g. tqdm's as transformers' "Loading weights" bar ends), and
+    with it the signal, so the caller checks `signum` after the start-up too. Main thread only, and only in place of
+    Python's own handlers (SIGINT's default_int_handler, SIGTERM's SIG_DFL; another one, or SIG_IGN, is left alone:
+    so a StartupInterrupt inside another leaves the outer one in charge)."""
+
+    DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: object = None
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StartupInterrupt":
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for sig, default in self.DEFAULTS.items():
+                if signal.getsignal(sig) is default:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
         self.signum = signum
-        signal.default_int_handler(signum, frame)
+        raise StartupSignal(signum)
 
 
 class GracefulStop:

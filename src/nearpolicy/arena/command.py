@@ -17,8 +17,9 @@ cells are skipped, an interrupted cell resumes from its last checkpoint, a faile
 arena file is refused, naming what changed. A failed cell is recorded (divergence: non-finite steps; else an
 infrastructure failure) and the arena goes on. At the end (and after an interruption) OUT/arena.md, arena.json and a
 self-contained arena.html hold the table (final and best held-out accuracy as mean +- sd over seeds, diverged, median
-k3, fraction of tokens the correction changed, step time), which differences lie inside the seed spread, and plots
-of eval accuracy and k3 over steps. Progress (cell i/N, its step, the arena's ETA) goes to stderr; each cell's
+k3, fraction of tokens the correction changed, step time), every comparison paired by seed (difference, 95 % CI,
+minimum detectable difference at 80 % power; a CI containing 0 is "no difference detected"), and plots of eval
+accuracy and k3 over steps. Progress (cell i/N, its step, the arena's ETA) goes to stderr; each cell's
 start-up log to OUT/logs/CELL.log.
 
 Exit codes: 0 every selected cell done or diverged; 1 a cell failed; 2 a bad or changed arena file; 130 / 143

@@ -1,4 +1,4 @@
-"""The arena's page: OUT/arena.md (the tables and the seed-spread statements), OUT/arena.json (every number) and
+"""The arena's page: OUT/arena.md (the tables and the paired comparisons), OUT/arena.json (every number) and
 OUT/arena.html (the same tables and, per mismatch source, eval accuracy and k3 over steps for every cell: one colour
 per correction, one line per seed; matplotlib figures embedded as base64 PNGs, like runs/report.py, so the file needs
 nothing beside it)."""
@@ -8,17 +8,20 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from dataclasses import asdict
 
 from matplotlib.figure import Figure
 
+from nearpolicy.arena.comparisons import METHOD, PairedComparison, paired_comparisons
+from nearpolicy.arena.paired import Paired, verdict
 from nearpolicy.arena.spec import ArenaSpec
 from nearpolicy.arena.state import ArenaState
 from nearpolicy.arena.table import Aggregate, CellResult, arena_results, duration, spread_statements
 from nearpolicy.runs.folder import write_json
 
 COLUMNS = ("correction", "source", "seeds", "final accuracy", "best accuracy", "diverged", "median k3",
-           "tokens changed", "s/step")
+           "tokens changed", "s/step", "final: seed sd vs eval-set sd")
 
 
 def _num(value: float | None, fmt: str = ".3f") -> str:
@@ -34,12 +37,22 @@ def _mean_sd(pair: tuple[float | None, float | None], a: Aggregate | None = None
     return said + (f" (incl. {a.diverged_in_mean} diverged)" if a is not None and a.diverged_in_mean else "")
 
 
-def aggregate_row(a: Aggregate) -> list[str]:
-    """The long table's cells for one correction x source (COLUMNS)."""
+def eval_sd(mean: float, eval_size: int) -> float:
+    """The binomial sd sqrt(p (1 - p) / eval_size) of one accuracy p on eval_size problems (table.arm_se's floor)."""
+    return math.sqrt(mean * (1 - mean) / max(eval_size, 1))
+
+
+def aggregate_row(a: Aggregate, eval_size: int) -> list[str]:
+    """The long table's cells for one correction x source (COLUMNS); the last compares the seeds' sd of the final
+    accuracy with the binomial sd of one accuracy on the eval set ('eval set' marks the larger one)."""
     seeds = f"{a.n}/{a.seeds}" + (f" ({a.failed} failed or not run)" if a.failed else "")
+    mean, sd = a.final
+    noise = "-" if mean is None or sd is None else (
+        f"{sd:.3f} vs {eval_sd(mean, eval_size):.3f}" + (" (eval set)" if eval_sd(mean, eval_size) > sd else ""))
     return [a.correction, a.source, seeds, _mean_sd(a.final, a), _mean_sd(a.best, a),
             f"{a.diverged}/{a.finished}" if a.finished else "-", _num(a.k3_median, ".2e"),
-            "-" if a.changed_fraction is None else f"{100 * a.changed_fraction:.2f} %", _num(a.step_seconds, ".1f")]
+            "-" if a.changed_fraction is None else f"{100 * a.changed_fraction:.2f} %", _num(a.step_seconds, ".1f"),
+            noise]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -68,6 +81,31 @@ def _cell_rows(results: list[CellResult]) -> list[list[str]]:
              "; ".join(r.notes + ([r.error.splitlines()[-1][:160]] if r.error else []))] for r in results]
 
 
+PAIRED_COLUMNS = ["comparison", "accuracy", "seeds", "per-seed differences", "difference", "SE: seeds",
+                  "SE: eval set (at least)", "95 % CI", "MDE (80 %)", "verdict", "bound set by",
+                  "over problems x seeds (paired bootstrap)", "Welch bound (unpaired)"]
+
+
+def _short(p: Paired) -> str:
+    return "not established (sd 0)" if p.se == 0 else "difference detected" if p.detected else "no difference detected"
+
+
+def _paired_rows(comparisons: list[PairedComparison]) -> list[list[str]]:
+    rows = []
+    for c in comparisons:
+        welch = f"+-{c.welch.bound:.3f}" if c.welch is not None and c.welch.bound is not None else "-"
+        p = c.seeds
+        if p is None:
+            rows.append([c.label, c.which, "-", "-", "-", "-", "-", "-", "-", str(c.reason), "-", "-", welch])
+            continue
+        boot = "-" if c.which != "final" else verdict(c.problems) if c.problems else str(c.problems_reason)
+        rows.append([c.label, c.which, ", ".join(str(s) for s, _ in p.per_seed),
+                     ", ".join(f"{d:+.3f}" for _, d in p.per_seed), f"{p.difference:+.3f}", f"{p.se_seeds:.3f}",
+                     f"{p.eval_floor:.3f}", f"[{p.low:+.3f}, {p.high:+.3f}]", f"{p.mde:.3f}", _short(p),
+                     "eval set" if p.eval_floor > p.se_seeds else "not known", boot, welch])
+    return rows
+
+
 CELL_COLUMNS = ["cell", "status", "steps", "step-0 acc", "final acc", "best acc", "median k3", "changed", "s/step",
                 "notes / error"]
 
@@ -79,7 +117,7 @@ def _arms_said(spec: ArenaSpec) -> list[str]:
     return out
 
 
-def render_markdown(spec: ArenaSpec, state: ArenaState, results, aggregates, statements) -> str:
+def render_markdown(spec: ArenaSpec, state: ArenaState, results, aggregates, comparisons) -> str:
     counts = state.counts()
     out = [f"# Arena `{spec.path.name}`", "",
            f"Base config `{spec.base.name}`, seeds {list(spec.seeds)}, {len(spec.cells)} cells: {counts['done']} done, "
@@ -89,9 +127,11 @@ def render_markdown(spec: ArenaSpec, state: ArenaState, results, aggregates, sta
            f"{spec.cells[0].config.task.eval_size} problems; k3: token-mean KL(mu || pi_old) estimate, nats/token.",
            "", *_arms_said(spec), "", "## Final accuracy by correction and source (mean ± sd over seeds)", ""]
     out += _md_table(*_matrix(spec, aggregates))
-    out += ["", "## Every correction x source", ""] + _md_table(list(COLUMNS), [aggregate_row(a) for a in aggregates])
-    out += ["", f"## Differences from `{spec.baseline}` against the seed spread", ""]
-    out += [f"- {line}" for line in statements] or ["- no comparison yet (cells missing)"]
+    rows = [aggregate_row(a, spec.cells[0].config.task.eval_size) for a in aggregates]
+    out += ["", "## Every correction x source", ""] + _md_table(list(COLUMNS), rows)
+    out += ["", f"## Paired comparisons: corrections against `{spec.baseline}`, sources against "
+            f"`{spec.sources[0].name}`", "", METHOD, ""]
+    out += _md_table(PAIRED_COLUMNS, _paired_rows(comparisons)) if comparisons else ["no comparison yet"]
     out += ["", "## Cells", ""] + _md_table(CELL_COLUMNS, _cell_rows(results))
     return "\n".join(out) + "\n"
 
@@ -127,20 +167,22 @@ def source_figure(spec: ArenaSpec, results: list[CellResult], source: str) -> by
     return buffer.getvalue()
 
 
-def render_html(spec: ArenaSpec, state: ArenaState, results, aggregates, statements) -> str:
+def render_html(spec: ArenaSpec, state: ArenaState, results, aggregates, comparisons) -> str:
     figures = "".join(
         f"<h3>{html.escape(s.name)}</h3><img alt='{html.escape(s.name)}' src='data:image/png;base64,"
         f"{base64.b64encode(source_figure(spec, results, s.name)).decode()}'>" for s in spec.sources)
-    said = "".join(f"<li>{html.escape(line)}</li>" for line in statements) or "<li>no comparison yet</li>"
+    paired = _html_table(PAIRED_COLUMNS, _paired_rows(comparisons)) if comparisons else "<p>no comparison yet</p>"
     arms = "".join(f"<li>{html.escape(line[2:])}</li>" for line in _arms_said(spec))
+    rows = [aggregate_row(a, spec.cells[0].config.task.eval_size) for a in aggregates]
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>arena {html.escape(spec.path.name)}</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:13px}"
             "td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}</style></head><body>"
             f"<h1>Arena {html.escape(spec.path.name)}</h1><p>base {html.escape(str(spec.base))}, seeds "
             f"{list(spec.seeds)}, {len(spec.cells)} cells</p><ul>{arms}</ul>"
             f"<h2>Final accuracy (mean ± sd over seeds)</h2>{_html_table(*_matrix(spec, aggregates))}"
-            f"<h2>Every correction x source</h2>{_html_table(list(COLUMNS), [aggregate_row(a) for a in aggregates])}"
-            f"<h2>Differences from {html.escape(spec.baseline)} against the seed spread</h2><ul>{said}</ul>"
+            f"<h2>Every correction x source</h2>{_html_table(list(COLUMNS), rows)}"
+            f"<h2>Paired comparisons: corrections against {html.escape(spec.baseline)}, sources against "
+            f"{html.escape(spec.sources[0].name)}</h2><p>{html.escape(METHOD)}</p>{paired}"
             f"<h2>Eval accuracy and k3 over steps</h2>{figures}"
             f"<h2>Cells</h2>{_html_table(CELL_COLUMNS, _cell_rows(results))}</body></html>\n")
 
@@ -149,13 +191,18 @@ def write_page(spec: ArenaSpec, state: ArenaState) -> list[str]:
     """Write OUT/arena.md, arena.json and arena.html from every cell's run so far; returns the warnings met while
     reading the runs' metrics."""
     results, aggregates, warnings = arena_results(spec, state)
-    statements = spread_statements(aggregates, spec.baseline, spec.cells[0].config.task.eval_size)
+    eval_size = spec.cells[0].config.task.eval_size
+    statements = spread_statements(aggregates, spec.baseline, eval_size)
+    comparisons = paired_comparisons(results, aggregates, [c.name for c in spec.corrections],
+                                     [s.name for s in spec.sources], spec.baseline, eval_size)
     spec.out.mkdir(parents=True, exist_ok=True)
-    (spec.out / "arena.md").write_text(render_markdown(spec, state, results, aggregates, statements))
+    (spec.out / "arena.md").write_text(render_markdown(spec, state, results, aggregates, comparisons))
     write_json(spec.out / "arena.json", {
         "arena": str(spec.path), "base": str(spec.base), "seeds": list(spec.seeds), "baseline": spec.baseline,
         "corrections": [asdict(a) for a in spec.corrections], "sources": [asdict(a) for a in spec.sources],
         "machine_seconds": state.seconds, "aggregates": [asdict(a) for a in aggregates],
-        "cells": [asdict(r) for r in results], "statements": statements})
-    (spec.out / "arena.html").write_text(render_html(spec, state, results, aggregates, statements))
+        "cells": [asdict(r) for r in results], "statements": statements,
+        "paired": [asdict(c) | {"label": c.label, "statement": c.statement()} for c in comparisons],
+        "paired_method": METHOD})
+    (spec.out / "arena.html").write_text(render_html(spec, state, results, aggregates, comparisons))
     return warnings

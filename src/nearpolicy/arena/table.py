@@ -1,13 +1,16 @@
 """The arena's numbers: per cell from its run's metrics.jsonl (runs.folder.read_metrics), then per correction x source
-over the seeds, and which differences from the baseline correction lie inside the seed spread.
+over the seeds, and which differences from the baseline correction lie inside the seed spread (Welch, unpaired; the
+paired analysis is comparisons.py's).
 
 Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the cell's last step (run.steps; missing or
 non-finite there: None, shown as n/a and said in the cell's notes, never an earlier eval in its place) and its best;
 the median over training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over
 steps of the fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps
-included). A cell "diverged" when its run stopped on non-finite steps or weights (the bad-step guard), or when its
-accuracy collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by more than twice the binomial
-standard error of the difference on the eval set)."""
+included); each eval problem's reward at the last step (`final_outcomes`, for paired.py's bootstrap;
+`outcomes_recorded` counts the problems recorded) from eval_outcomes.jsonl, or else from samples.jsonl when that
+records every problem (runs/samples.py). A cell "diverged" when its run stopped on non-finite steps or weights (the
+bad-step guard), or when its accuracy collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by
+more than twice the binomial standard error of the difference on the eval set)."""
 
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from nearpolicy.arena.paired import t975
 from nearpolicy.arena.spec import ArenaSpec, Cell
 from nearpolicy.arena.state import ArenaState, CellRecord
 from nearpolicy.runs.folder import METRICS, RunFolderError, finite_points, is_finite_number, read_metrics
+from nearpolicy.runs.samples import OUTCOMES, SAMPLES, read_outcomes, read_samples
 
 COLLAPSE = 0.5  # final accuracy below this fraction of the step-0 accuracy (and significantly lower) is a collapse
 
@@ -68,6 +73,8 @@ class CellResult:
     notes: list[str] = field(default_factory=list)
     accuracy: list[tuple[int, float]] = field(default_factory=list)
     k3: list[tuple[int, float]] = field(default_factory=list)
+    outcomes_recorded: int = 0
+    final_outcomes: list[float | None] | None = None
 
 
 def duration(seconds: float) -> str:
@@ -92,6 +99,41 @@ def _eval_at(rows: list[dict], step: int, notes: list[str]) -> float | None:
     return None
 
 
+def _recorded_outcomes(cell: Cell) -> tuple[int, list | None, str, list[str]]:
+    """(how many eval problems the run records at its last step, their rewards in index order when it records all
+    task.eval_size of them (else None), the file they come from, warnings): eval_outcomes.jsonl's row of the last
+    step when it holds one reward per problem, else samples.jsonl's rows of that step when they cover every index
+    (runs/samples.py; the committed cells have only samples.jsonl, with SAMPLES_PER_EVAL problems)."""
+    size, step = cell.config.task.eval_size, cell.config.run.steps
+    rows, warnings = read_outcomes(cell.run_dir)
+    logged = [r["rewards"] for r in rows if r["step"] == step]
+    if logged and len(logged[-1]) == size:
+        return size, logged[-1], OUTCOMES, warnings
+    if logged:
+        warnings.append(f"{OUTCOMES}'s step-{step} row has {len(logged[-1])} rewards for {size} eval problems: "
+                        f"left out, {SAMPLES} read instead")
+    samples, problems = read_samples(cell.run_dir)
+    seen = {r["index"]: r.get("reward") for r in samples if r["step"] == step and isinstance(r.get("index"), int)}
+    recorded = sum(0 <= i < size for i in seen)
+    return recorded, [seen[i] for i in range(size)] if recorded == size else None, SAMPLES, warnings + problems
+
+
+def final_outcomes(cell: Cell, final: float | None) -> tuple[int, list[float | None] | None, list[str]]:
+    """(how many eval problems the run records at the cell's last step, every problem's reward in index order when
+    it records all task.eval_size of them (None for an unscorable one; else None for the list), warnings), from
+    eval_outcomes.jsonl or else samples.jsonl (_recorded_outcomes). A full list whose scorable mean is not the logged
+    final accuracy is dropped with a warning."""
+    recorded, rewards, source, warnings = _recorded_outcomes(cell)
+    if rewards is None:
+        return recorded, None, warnings
+    outcomes = [float(v) if is_finite_number(v) else None for v in rewards]
+    scored = [v for v in outcomes if v is not None]
+    if final is None or not scored or abs(statistics.fmean(scored) - final) > 1e-9:
+        return recorded, None, warnings + [f"{source}'s step-{cell.config.run.steps} rewards do not give the logged "
+                                           f"final accuracy {final}: per-problem outcomes left out"]
+    return recorded, outcomes, warnings
+
+
 def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     """(the cell's numbers, warnings from reading its metrics). A cell never run, or without metrics, has only its
     status."""
@@ -109,6 +151,7 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     result.steps = max((r["step"] for r in train), default=0)
     result.initial_accuracy = _eval_at(rows, 0, result.notes)
     result.final_accuracy = _eval_at(rows, cell.config.run.steps, result.notes)
+    result.outcomes_recorded, result.final_outcomes, problems = final_outcomes(cell, result.final_accuracy)
     if result.accuracy:
         result.best_accuracy = max(v for _, v in result.accuracy)
     if result.k3:
@@ -120,7 +163,7 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
         result.diverged = True
     elif record.status == "done" and None not in (result.initial_accuracy, result.final_accuracy):
         result.diverged = collapsed(result.initial_accuracy, result.final_accuracy, cell.config.task.eval_size)
-    return result, log.warnings
+    return result, log.warnings + problems
 
 
 @dataclass
@@ -168,15 +211,6 @@ def aggregate(results: list[CellResult], correction: str, source: str) -> Aggreg
 
 
 MIN_SEEDS = 3  # seeds per arm below which no difference is claimed
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-"""t_{0.975, df} for df = 1..30 (Student's t, two-sided 95 %; the standard table, e.g. NIST/SEMATECH e-Handbook of
-Statistical Methods, sec. 1.3.6.7.2). Above 30 degrees of freedom the df = 30 value is used (conservative)."""
-
-
-def t975(df: float) -> float:
-    """t_{0.975, df} from T975, df rounded down (fewer degrees of freedom: a wider bound), clamped to [1, 30]."""
-    return T975[min(max(int(df), 1), len(T975)) - 1]
 
 
 def arm_se(mean: float, sd: float, n: int, eval_size: int) -> float:

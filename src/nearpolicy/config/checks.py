@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ValidationError
 
 from nearpolicy.engines.factory import ENGINES, kind_of
+from nearpolicy.ops.advantages import GROUP_RELATIVE
 from nearpolicy.ops.correction_presets import drop_replaced_preset_fields
 from nearpolicy.ops.losses import required_aggregation
 from nearpolicy.registry import Registry, did_you_mean
@@ -99,7 +100,8 @@ def check_turn_credit(a) -> None:
 
 def check_sections_agree(cfg) -> None:
     """Rules across sections: replicas run llama.cpp; llama.cpp's sequence limit; a group fits one batch; episodes
-    run on llamacpp (the synchronous engine or the replicas) or hf."""
+    run on llamacpp (the synchronous engine or the replicas) or hf; a group-relative estimator needs groups of two or
+    more unless a teacher alone gives the signal (distill.reward_weight = 0)."""
     e, a = cfg.engine, cfg.algorithm
     kind = kind_of(e.kind)
     if cfg.episode.enabled and not kind.episodes:
@@ -117,6 +119,10 @@ def check_sections_agree(cfg) -> None:
     if a.precision_alignment == "engine" and (not kind.alignable or e.flash_attention):
         raise ValueError("algorithm.precision_alignment = 'engine' emulates llama.cpp without flash attention: set "
                          "engine.kind = 'llamacpp' and engine.flash_attention = false, or precision_alignment = 'off'")
+    if a.group_size == 1 and a.advantage in GROUP_RELATIVE and (cfg.distill.teacher is None or cfg.distill.reward_weight):
+        raise ValueError(f"algorithm.group_size = 1 with algorithm.advantage = {a.advantage!r}: a group-relative "
+                         "estimator gives a group of one advantage 0, so the run would train on nothing; set "
+                         "algorithm.group_size >= 2, or algorithm.advantage = 'reinforce'")
     if a.group_size > e.max_parallel_sequences:
         raise ValueError(f"algorithm.group_size ({a.group_size}) exceeds engine.max_parallel_sequences "
                          f"({e.max_parallel_sequences}): a group is decoded in one batch")

@@ -112,10 +112,10 @@ class TaskConfig(Section):
     startup, the message naming the file and line numbers."""
     train_size: int = Field(5000, ge=1)
     """reasoning_gym: training problems generated from run.seed (minus any also held out), cycled in order; jsonl:
-    unused (every line not held out trains, shuffled by run.seed)."""
+    unused (every line whose prompt is not held out trains, shuffled by run.seed)."""
     eval_size: int = Field(128, ge=1)
     """Held-out problems scored greedily at step 0, every logging.eval_every steps and at the last step (jsonl: at
-    most half of the file)."""
+    most half of the file's distinct prompts; held out by prompt, so a repeated prompt never also trains)."""
     eval_seed: int = 1234
     """Seed of the held-out eval set (disjoint from the training seed)."""
     reward_timeout_s: float = Field(10.0, gt=0, le=3600)
@@ -144,6 +144,12 @@ class AlgorithmConfig(TurnCreditFields):
     """Advantage estimator (`nearpolicy list`): grpo, dr_grpo, rloo, reinforce, mc_grpo, ... The mc_grpo family is
     defined on G + 1 samples (an odd group_size: the one median sample is left out, G contribute); with an even
     group the lower median is the baseline (docs/math.md sec. 6)."""
+    baseline_samples: Literal["accepted", "all"] = "accepted"
+    """Which samples of a group set its baseline (mean, std, median, leave-one-out): accepted = those the correction
+    does not reject whole (seq_mis, geo_mis, k3_rs, a veto, ...; a rejected sample gets advantage 0, as an unscorable
+    one), so its reward cannot move its siblings' advantages; all = every scorable sample, as decided before the
+    correction. With a correction that can reject, accepted computes old_logprobs before the advantages (never fused
+    into the update: one more forward pass). docs/math.md sec. 2."""
     loss: registered(POLICY_LOSSES) = "ppo_clip"
     """Policy loss (`nearpolicy list`): ppo_clip, gspo, cispo, reinforce, importance_sampling, pnpo, ..."""
     aggregation: Literal[AGGREGATIONS] = "token-mean"

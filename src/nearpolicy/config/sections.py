@@ -56,7 +56,8 @@ class DistillConfig(Section):
     coef: float = Field(1.0, gt=0)
     """Token advantage A_t = -coef (log mu(y_t) - log pi_teacher(y_t)) (+ discounted future terms)."""
     discount: float = Field(0.0, ge=0, le=1)
-    """gamma in [0, 1]: A_t also sums the later tokens' terms discounted by gamma^(k - t) (0 = per token only)."""
+    """gamma in [0, 1]: A_t also sums the later model tokens' terms, discounted by gamma per model token between
+    (tool observations take no step; 0 = per token only; docs/math.md sec. 15)."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task's GRPO-family advantage added to the distillation advantage (0 = pure distillation)."""
 

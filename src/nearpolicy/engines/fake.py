@@ -58,3 +58,47 @@ class OffsetEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class TiltedEngine:
+    """One-token responses from a known behaviour policy, for checking estimators against exact expectations.
+
+    For each prompt the trainer's policy pi = softmax(l / T) over the vocabulary (l: `model`'s last-position logits,
+    float64) is tilted by a fixed offset vector: mu = softmax(l / T + tilt), tilt [V] float (nats; 0 = mu is pi).
+    Each sample is one token y ~ mu, reported with log mu(y), finish reason "length" (max_new_tokens is 1). Small
+    vocabularies make every expectation an exact finite sum (tests/test_gradbias.py). Raises ValueError for a tilt
+    whose length is not the vocabulary size."""
+
+    def __init__(self, model, tilt, *, version: int = 0):
+        import torch
+
+        self.model, self.version = model, version
+        self.tilt = np.asarray(tilt, np.float64)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if self.tilt.shape != (vocab,):
+            raise ValueError(f"tilt must have one entry per vocabulary id ({vocab}), got shape {self.tilt.shape}")
+        self._torch = torch
+
+    def behaviour_logprobs(self, prompt_ids, sampling: SamplingParams) -> np.ndarray:
+        """log mu [V] float64 after `prompt_ids`."""
+        torch = self._torch
+        with torch.no_grad():
+            logits = self.model(torch.tensor([list(prompt_ids)])).logits[0, -1].double().numpy()
+        s = logits / sampling.temperature + self.tilt
+        return s - (s.max() + np.log(np.exp(s - s.max()).sum()))
+
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int) -> list[Rollout]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for request in requests:
+            logmu = self.behaviour_logprobs(request.prompt_ids, sampling)
+            ids = rng.choice(len(logmu), size=request.n, p=np.exp(logmu) / np.exp(logmu).sum())
+            out += [Rollout(request.group_id, i, list(request.prompt_ids), [int(y)], [float(logmu[y])], [self.version],
+                            "length") for i, y in enumerate(ids)]
+        return out
+
+    def is_stop_token(self, token: int) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass

@@ -197,9 +197,9 @@ def _rebuild_plain(loaded: Any) -> Any:
     return model
 
 
-def load_model_weights(checkpoint: Path, model) -> None:
-    """Load a checkpoint folder's model.safetensors (or a .safetensors file) into `model`, strictly (tied
-    weights excepted). Raises FileNotFoundError / ValueError naming the file."""
+def read_model_weights(checkpoint: Path) -> dict:
+    """A checkpoint folder's model.safetensors (or a .safetensors file) read into memory: name -> tensor. Raises
+    FileNotFoundError / ValueError naming the file."""
     from safetensors.torch import load_file
 
     path = Path(checkpoint)
@@ -207,9 +207,19 @@ def load_model_weights(checkpoint: Path, model) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"no model weights at {path}")
     try:
-        weights = load_file(str(path))
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no model weights at {path}") from None
     except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
         raise ValueError(f"cannot read {path}: {err}") from None
+
+
+def load_model_weights(checkpoint: Path | dict, model) -> None:
+    """Load a checkpoint folder's model.safetensors (or a .safetensors file, or weights read_model_weights already
+    read) into `model`, strictly (tied weights excepted). Raises FileNotFoundError / ValueError naming the file."""
+    weights = checkpoint if isinstance(checkpoint, dict) else read_model_weights(checkpoint)
+    path = "the checkpoint's weights" if isinstance(checkpoint, dict) else Path(checkpoint)
+    path = path / "model.safetensors" if isinstance(path, Path) and path.is_dir() else path
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # shape mismatches

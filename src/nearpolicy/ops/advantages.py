@@ -15,6 +15,9 @@ import torch
 from nearpolicy.registry import Registry
 
 STD_FLOOR = 1e-6  # a group scale (std, MAD) at or below this is not divided by (invariant 6)
+# Estimators whose baseline is the sample's own group: a group of one gives every sample advantage 0, so
+# algorithm.group_size = 1 trains on nothing (refused by config/checks.py; tests hold the set to the registry).
+GROUP_RELATIVE = frozenset({"grpo", "dr_grpo", "rloo", "mc_grpo", "mc_grpo_mad", "mc_grpo_released"})
 
 
 @dataclass(frozen=True)

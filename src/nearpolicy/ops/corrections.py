@@ -107,6 +107,11 @@ class CorrectionSpec:
         if not 0 <= self.mix <= 1:
             raise ValueError(f"mix must be in [0, 1], got {self.mix}")
 
+    @property
+    def rejects(self) -> bool:
+        """True when the spec can reject tokens or whole sequences: action mask, a rejection rule or a veto."""
+        return self.action == "mask" or bool(self.rejections) or self.veto is not None
+
 
 @dataclass(frozen=True)
 class CorrectionResult:

@@ -26,9 +26,14 @@ def opd_advantages(
     student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, coef: float = 1.0,
     discount: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token advantages [B, T] A_t = sum_{k >= t, valid} discount^(k - t) (-coef rkl_k) (discount 0: A_t =
-    -coef rkl_t; steps counted over positions, masked ones contribute 0) and the metric teacher_kl = sum rkl /
-    #valid. Raises ValueError unless 0 <= discount <= 1. Defaults coef 1.0, discount 0.0 (Tinker)."""
+    """Token advantages [B, T] (dtype of the log-probs, detached) and the metric teacher_kl = sum rkl / #valid.
+
+    A_t = sum_{k >= t, valid} discount^(n(t, k)) (-coef rkl_k) at valid t (0 elsewhere), n(t, k) = the valid
+    positions in (t, k]: the return takes one discount step per valid token, and carries through the positions
+    between unchanged (a multi-turn episode's tool observations and template tokens, tokens without an engine
+    log-prob), so inserting an observation leaves the model tokens' advantages unchanged (verl #7278, fix #7300).
+    discount 0: A_t = -coef rkl_t. mask [B, T] bool: the tokens with both log-probs (the model's own tokens).
+    Raises ValueError unless 0 <= discount <= 1. Defaults coef 1.0, discount 0.0 (Tinker). docs/math.md sec. 15."""
     if not 0 <= discount <= 1:
         raise ValueError(f"discount must be in [0, 1], got {discount}")
     mask = mask.bool()
@@ -36,9 +41,10 @@ def opd_advantages(
     if discount == 0:
         adv = reward
     else:
-        steps = [reward[:, -1]]
-        for t in range(reward.shape[1] - 2, -1, -1):
-            steps.append(reward[:, t] + discount * steps[-1])
+        carry, steps = torch.zeros_like(reward[:, -1]), []
+        for t in range(reward.shape[1] - 1, -1, -1):
+            carry = torch.where(mask[:, t], reward[:, t] + discount * carry, carry)
+            steps.append(carry)
         adv = torch.stack(steps[::-1], dim=1)
     kl = reverse_kl_tokens(student_logprobs, teacher_logprobs, mask)
     return select(adv, mask), {"teacher_kl": masked_sum(kl, mask) / mask.sum().clamp_min(1)}

@@ -222,7 +222,8 @@ def policy_loss(
     entropy_coef > 0 (ValueError when inp.entropy is None then), aggregated by `mode` over the global `denominator`
     (default inp.token_denominator, allowed for token-mean only; pass `masked.aggregation_denominator` of the
     whole accumulation group for the other modes). Returns (loss scalar with grad, detached metrics normalised by
-    inp.token_denominator, so that summing them over micro-batches gives the accumulation-group mean).
+    inp.token_denominator, so that summing them over micro-batches gives the accumulation-group mean; entropy_bonus
+    is the term the loss subtracts, aggregated by `mode` over the same denominator, so it sums likewise).
     Raises KeyError for an unknown loss or KL estimator, ValueError for an unknown mode, a missing denominator,
     or a sequence-level loss (SEQUENCE_LEVEL_LOSSES) with a mode other than seq-mean-token-mean."""
     if denominator is None and mode != "token-mean":
@@ -242,7 +243,8 @@ def policy_loss(
         if inp.entropy is None:
             raise ValueError("entropy_coef > 0 needs the token entropy with grad (PolicyLossInput.entropy)")
         loss_tok = loss_tok - params.entropy_coef * torch.where(mask, inp.entropy, torch.zeros_like(inp.entropy))
-    loss = aggregate(loss_tok, mask, mode, inp.token_denominator if denominator is None else denominator)
+    denominator = inp.token_denominator if denominator is None else denominator
+    loss = aggregate(loss_tok, mask, mode, denominator)
     tok = torch.as_tensor(inp.token_denominator, dtype=loss_tok.dtype).clamp_min(1)
     with torch.no_grad():
         metrics = {
@@ -253,5 +255,5 @@ def policy_loss(
         if kl is not None:
             metrics["kl_ref"] = masked_sum(kl.detach(), mask) / tok
         if params.entropy_coef > 0:
-            metrics["entropy_bonus"] = params.entropy_coef * masked_sum(inp.entropy.detach(), mask) / tok
+            metrics["entropy_bonus"] = params.entropy_coef * aggregate(inp.entropy.detach(), mask, mode, denominator)
     return loss, metrics

@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nearpolicy.config.schema import EngineConfig
 from nearpolicy.engines.gguf.export import PRECISIONS, export_model_gguf
-from nearpolicy.model.load import ResolvedModel, load_model_weights, load_policy, resolve_model
+from nearpolicy.model.load import ResolvedModel, load_model_weights, load_policy, read_model_weights, resolve_model
 from nearpolicy.runs.folder import CHECKPOINT_PREFIX, list_checkpoints, read_json_object
 
 
@@ -60,6 +61,29 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
     return step, found[step]
 
 
+def read_checkpoint(run_dir: Path, step: int | None = None, tries: int = 3) -> tuple[int, Path, dict]:
+    """(step, folder, its model weights in memory) of find_checkpoint(run_dir, step), the weights read at once: a run
+    still training keeps only its logging.keep_checkpoints newest and deletes older ones as it saves, so a checkpoint
+    listed a moment ago can be gone before a model has loaded. Without `step` a checkpoint deleted between the listing
+    and the read is replaced by the newest one (up to `tries` times). Raises ExportError (find_checkpoint's; the
+    checkpoint of `step` deleted while it was read; rotated `tries` times), FileNotFoundError / ValueError of
+    read_model_weights for a checkpoint that is still listed but has no readable weights."""
+    for _ in range(tries):
+        found, checkpoint = find_checkpoint(run_dir, step)
+        try:
+            return found, checkpoint, read_model_weights(checkpoint)
+        except FileNotFoundError:
+            time.sleep(0.2)  # a deletion in progress: let it finish before listing again
+            if checkpoint in list_checkpoints(Path(run_dir)):
+                raise
+            if step is not None:
+                raise ExportError(f"the checkpoint of step {step} ({checkpoint}) was deleted while it was read: the "
+                                  "run writing it keeps only its logging.keep_checkpoints newest; export a newer step, "
+                                  "or the newest without --step") from None
+    raise ExportError(f"{run_dir}: its newest checkpoint was deleted {tries} times while it was read (a run is "
+                      "saving faster than it can be read); try again, or export once the run has stopped")
+
+
 def check_output(out: Path, run_dir: Path, force: bool) -> None:
     """Refuse (ExportError) an output that is a file, a non-empty folder without `force`, or a folder holding the
     run's checkpoints (which `force` would replace)."""
@@ -82,11 +106,11 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
                force: bool = False, log: Callable[[str], None] = print) -> Exported:
     """Export the run's checkpoint of `step` (default: the last) to `out` (default RUN/export/step_XXXXXX): the HF
     folder, plus `policy-<precision>.gguf` for each of `ggufs` (default: the run's engine.precision; () for none).
-    Raises ExportError (see find_checkpoint / check_output), FileNotFoundError / ValueError when model.path (read
+    Raises ExportError (see read_checkpoint / check_output), FileNotFoundError / ValueError when model.path (read
     from the run's config.json) or the checkpoint cannot be loaded, OSError when writing fails (nothing is left at
     `out` then)."""
     run_dir = Path(run_dir)
-    step, checkpoint = find_checkpoint(run_dir, step)
+    step, checkpoint, weights = read_checkpoint(run_dir, step)  # in memory first: a running run may rotate it
     out = Path(out).resolve() if out is not None else run_dir / "export" / checkpoint.name
     check_output(out, run_dir, force)
     spec, resolved, engine = _run_model(run_dir)
@@ -95,7 +119,7 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
     if unknown:
         raise ExportError(f"unknown GGUF precision {unknown[0]!r}; valid: {', '.join(PRECISIONS)}")
     log(f"loading {spec} (model.path of {run_dir}) with the weights of {checkpoint}")
-    model, tokenizer = trained_policy(spec, checkpoint)
+    model, tokenizer = trained_policy(spec, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -139,9 +163,10 @@ def _config_section(run_dir: Path, name: str) -> dict:
     return section if isinstance(section, dict) else {}
 
 
-def trained_policy(spec: str, checkpoint: Path):
+def trained_policy(spec: str, checkpoint: Path | dict):
     """(model, tokenizer): `spec` (model.path) loaded by model.load.load_policy, in eval mode, with the checkpoint's
-    weights (float32). Raises what load_policy and load_model_weights raise."""
+    weights (float32; a checkpoint folder, or its weights read by read_checkpoint). Raises what load_policy and
+    load_model_weights raise."""
     model, tokenizer = load_policy(spec)
     load_model_weights(checkpoint, model)
     return model.eval().requires_grad_(False), tokenizer

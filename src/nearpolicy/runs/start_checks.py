@@ -53,6 +53,7 @@ def stored_config(run_dir: Path, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"--set {item}: with --resume RUN_DIR the folder is RUN_DIR; run.name and "
                               "run.output_dir cannot be set (move the folder instead)")
     data.setdefault("run", {}).update(output_dir=str(run_dir.parent), name=run_dir.name)
+    _task_path_from_where_it_started(data, run_dir)
     try:
         return config_from_data(copy.deepcopy(data), list(overrides), None)  # overrides edit the dict in place
     except ConfigError as err:
@@ -60,16 +61,48 @@ def stored_config(run_dir: Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"--set on {path}: {err}") from None
 
 
+def _recorded_task_file(run_dir: Path) -> str | None:
+    """The absolute path of the run's JSONL file as plan.json recorded it at the start (data.resolved), or None."""
+    try:
+        data = read_json_object(run_dir / "plan.json").get("data") if (run_dir / "plan.json").exists() else None
+    except RunFolderError:
+        return None
+    resolved = data.get("resolved") if isinstance(data, dict) else None
+    return resolved if isinstance(resolved, str) else None
+
+
+def _task_path_from_where_it_started(data: dict, run_dir: Path) -> None:
+    """In a stored config `data` (edited in place): a relative JSONL task.path is read from the folder the run started
+    in (plan.json's data.resolved), not from the current folder. Raises ConfigError when the file is in neither place
+    (a run from before the record: say where it is read from)."""
+    task = data.get("task") if isinstance(data.get("task"), dict) else {}
+    path = task.get("path")
+    if task.get("kind") != "jsonl" or not isinstance(path, str) or Path(path).is_absolute():
+        return
+    recorded = _recorded_task_file(run_dir)
+    if recorded is not None and Path(recorded).is_file():
+        task["path"] = recorded
+    elif not Path(path).is_file():
+        raise ConfigError(f"task.path {path} of {run_dir / 'config.json'} is relative and is read from the current "
+                          f"folder {Path.cwd()}, where it does not exist (the run recorded no absolute path): run "
+                          "`nearpolicy train --resume` from the folder the run was started in")
+
+
 def check_same_config(saved_path: Path, cfg: Config) -> None:
     """Refuse (RunExistsError) a --resume whose config differs from the run's saved config.json, except in
-    RESUMABLE_KEYS. A key the saved config lacks (added to the schema since) counts as its default."""
+    RESUMABLE_KEYS. A key the saved config lacks (added to the schema since) counts as its default. A task.path
+    written differently (relative, absolute, from another folder) that names the file the run recorded
+    (plan.json's data.resolved) is the same."""
     if not saved_path.exists():
         return
     saved = json.loads(saved_path.read_text())
     now, default = cfg.model_dump(mode="json"), Config().model_dump(mode="json")
+    recorded = _recorded_task_file(saved_path.parent)
+    same_file = recorded is not None and cfg.task.path is not None and str(cfg.task.path.resolve()) == recorded
     changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
                if saved.get(section, {}).get(key, default[section][key]) != value
-               and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS]
+               and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS
+               and not (f"{section}.{key}" == "task.path" and same_file)]
     steps_then = saved.get("run", {}).get("steps", default["run"]["steps"])
     if steps_then != cfg.run.steps and cfg.algorithm.lr_schedule != "constant":
         raise RunExistsError(f"--resume with run.steps {steps_then} -> {cfg.run.steps}: with algorithm.lr_schedule = "

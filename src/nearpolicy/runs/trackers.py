@@ -66,6 +66,28 @@ def _wandb_id(run_dir: Path) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in run_dir.resolve().name)
 
 
+def check_trackers(logging_cfg) -> None:
+    """Before anything loads (seconds, no network): the failures of open_trackers that the machine decides, so that
+    they are not met only after the model and the engine are up. Raises TrackerError when logging.tensorboard needs
+    the tensorboard package, logging.wandb the wandb package, or wandb_mode = "online" credentials that are not there
+    (`wandb login` or WANDB_API_KEY; wandb.login(prompt=False, verify=False) looks, without the network)."""
+    if logging_cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it
+        except ImportError:
+            raise TrackerError("logging.tensorboard = true needs the tensorboard package: pip install tensorboard, "
+                               "or --set logging.tensorboard=false") from None
+    if not logging_cfg.wandb:
+        return
+    try:
+        import wandb
+    except ImportError:
+        raise TrackerError("logging.wandb = true needs the wandb package: pip install wandb") from None
+    if logging_cfg.wandb_mode == "online" and not wandb.login(prompt=False, verify=False):
+        raise TrackerError("logging.wandb_mode = 'online' needs wandb credentials and none are configured: run "
+                           "`wandb login` or set WANDB_API_KEY, or --set logging.wandb_mode=offline (sync later)")
+
+
 def open_trackers(run_dir: Path, logging_cfg, config: dict) -> list[Tracker]:
     """The trackers `logging_cfg` (config.LoggingConfig) asks for, opened on `run_dir`."""
     trackers: list[Tracker] = []

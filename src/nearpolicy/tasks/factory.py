@@ -72,7 +72,7 @@ def describe_task(task: Task) -> str:
         shown = ", ".join(map(str, skipped[:20])) + (", ..." if len(skipped) > 20 else "")
         parts.append(f"skipped {len(skipped)} bad line(s) {shown}")
     if getattr(task, "dropped_overlap", 0):
-        parts.append(f"{task.dropped_overlap} generated training problem(s) dropped as duplicates of eval problems")
+        parts.append(f"{task.dropped_overlap} training problem(s) dropped as duplicates of eval problems")
     spec = getattr(task, "spec", None)
     reward = f"task.reward_function {spec}" if spec else "the dataset's answer check"
     return ", ".join(parts) + f"; reward: {reward}"

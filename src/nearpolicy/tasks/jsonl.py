@@ -86,12 +86,16 @@ def _read_line(data: bytes, answer_required: bool = True) -> dict | str:
 
 
 class JsonlTask:
-    """Problems from a JSONL file, split into a held-out eval subset and a training pool.
+    """Problems from a JSONL file, split into a held-out eval subset and a training pool, disjoint by prompt.
 
-    ``eval_size`` items (at most half of the file; ``self.eval_size`` is the size used) are drawn
-    with ``random.Random(eval_seed)`` and held out; the rest, shuffled with ``random.Random(seed)``,
-    form the training pool. Blank lines are ignored. Other keys of a line are kept in ``Problem.entry``; with
-    ``answer_required=False`` (a task.reward_function scores the responses) a line may leave out "answer" ("").
+    The split is by prompt identity (the exact "prompt" string): ``eval_size`` distinct prompts (at most half of
+    the distinct prompts; ``self.eval_size`` is the size used) are drawn with ``random.Random(eval_seed)`` and held
+    out, each once (its first line); every line whose prompt is held out leaves the training pool, and
+    ``self.dropped_overlap`` counts the lines dropped that way beyond the eval's own (OpenRLHF #1089: split by line
+    index, a repeated prompt landed in both). The rest, shuffled with ``random.Random(seed)``, form the training
+    pool (a prompt repeated there stays repeated). A file without repeated prompts splits exactly as by line.
+    Blank lines are ignored. Other keys of a line are kept in ``Problem.entry``; with ``answer_required=False``
+    (a task.reward_function scores the responses) a line may leave out "answer" ("").
 
     Raises:
         FileNotFoundError: ``path`` does not exist (the message names task.path).
@@ -117,14 +121,19 @@ class JsonlTask:
         self.name = f"jsonl:{self.path.name}"
         self.skipped_lines: list[int] = []
         problems = self._load(skip_bad_lines)
-        if eval_size >= 1 and len(problems) < 2:
-            raise ValueError(f"{path}: {len(problems)} usable line(s); a held-out eval split needs at least 2")
-        self.eval_size = min(eval_size, max(1, len(problems) // 2)) if eval_size else 0
-        order = list(range(len(problems)))
+        first = {}  # prompt -> its first line's index, in file order
+        for i, problem in enumerate(problems):
+            first.setdefault(problem.question, i)
+        if eval_size >= 1 and len(first) < 2:
+            raise ValueError(f"{path}: {len(first)} distinct prompt(s) in {len(problems)} usable line(s); a held-out "
+                             "eval split needs at least 2")
+        self.eval_size = min(eval_size, max(1, len(first) // 2)) if eval_size else 0
+        order = list(first.values())
         random.Random(eval_seed).shuffle(order)
-        held_out = set(order[: self.eval_size])
-        self._eval = [problems[i] for i in sorted(held_out)]
-        self._train = [p for i, p in enumerate(problems) if i not in held_out]
+        held_out = {problems[i].question for i in order[: self.eval_size]}
+        self._eval = [problems[i] for i in sorted(order[: self.eval_size])]
+        self._train = [p for p in problems if p.question not in held_out]
+        self.dropped_overlap = len(problems) - len(self._train) - len(self._eval)
         random.Random(seed).shuffle(self._train)
 
     def _load(self, skip_bad_lines: bool) -> list[Problem]:

@@ -27,6 +27,16 @@ def step_fault(metrics: dict[str, float]) -> str | None:
     return f"{skipped} mini-batch(es) skipped: non-finite {' and '.join(causes) or 'loss or gradient'}"
 
 
+def no_signal(metrics: dict[str, float]) -> str | None:
+    """Why the step behind `metrics` trained on nothing (advantage/nonzero_frac = 0: every kept sample's advantage
+    is 0), or None. Group-relative estimators give 0 to a constant group, a singleton and an unscorable sample
+    (ops/advantages.py): a run whose every step says so learns only from its KL or entropy term, if any."""
+    if metrics.get("advantage/nonzero_frac", 1.0) != 0:
+        return None
+    return ("no sample has a nonzero advantage (every group constant, a singleton or unscorable): the policy-gradient "
+            "term of this step trains on nothing")
+
+
 @dataclass
 class BadStepGuard:
     """Counts skipped (non-finite) steps; `check` stops the run after `max_consecutive` of them in a row."""
@@ -37,7 +47,11 @@ class BadStepGuard:
     last_cause: str = ""
 
     def observe(self, step: int, metrics: dict[str, float], log) -> dict[str, float]:
-        """Classify the step just taken (logging its cause when bad); returns the guard's metrics."""
+        """Classify the step just taken (logging its cause when bad, and a warning when no sample had a nonzero
+        advantage: see no_signal); returns the guard's metrics."""
+        idle = no_signal(metrics)
+        if idle is not None:
+            log(f"warning: step {step}: {idle}")
         cause = step_fault(metrics)
         if cause is None:
             self.consecutive = 0

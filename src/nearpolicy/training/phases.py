@@ -87,6 +87,15 @@ def turn_credit_advantages(cfg: Config, ref_model: torch.nn.Module | None, token
     return result.advantages, keep, {key: float(value) for key, value in result.metrics.items()}
 
 
+def advantage_signal(advantages: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """advantage/nonzero_frac: the fraction of the kept samples (keep [N] bool) with a nonzero advantage at a response
+    token (advantages [N] or [N, T]; mask [N, T] bool); 0 when none is kept. At 0 the policy-gradient term of the step
+    trains on nothing (every group constant, a singleton or unscorable: training/guards.py warns)."""
+    adv = advantages[:, None].expand(mask.shape) if advantages.dim() == 1 else advantages
+    live = ((adv != 0) & mask.bool()).any(-1) & keep.bool()
+    return {"advantage/nonzero_frac": float(live.sum()) / max(int(keep.sum()), 1)}
+
+
 def mismatch_diagnostics(update: UpdateResult, batch: TokenBatch, defined: torch.Tensor) -> dict[str, float]:
     """mismatch/*: trainer (old_logprobs) vs engine (rollout_logprobs) over the defined tokens [B, T], and its
     decomposition into numerical discrepancy and policy lag (docs/math.md sec. 17)."""

@@ -13,34 +13,41 @@ from nearpolicy.config.schema import Config
 
 def build_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
     """(Trainer, None), or (None, (exit code, message)) when the run does not start: 2 when it cannot, 0 for a
-    --resume of a finished run (nothing to do), 130 for a Ctrl-C (also one whose KeyboardInterrupt was dropped:
-    signals.StartupInterrupt)."""
-    from nearpolicy.engines.base import EngineError
-    from nearpolicy.runs.folder import RunExistsError, RunFinished
-    from nearpolicy.signals import StartupInterrupt
-    from nearpolicy.tasks.scoring import ScoringError
-    from nearpolicy.runs.trackers import TrackerError
-    from nearpolicy.training.trainer import open_trainer
+    --resume of a finished run (nothing to do), 130 / 143 for a SIGINT / SIGTERM during the imports or the loading
+    (also one whose exception was dropped: signals.StartupInterrupt; signals.startup_stop says it)."""
+    from nearpolicy.signals import StartupInterrupt, startup_stop
 
-    interrupted = (130, "interrupted during startup; nothing was trained")
     busy = load_warning()
     if busy:
         log(busy)
     with StartupInterrupt() as startup:
         try:
-            trainer = open_trainer(cfg, resume=resume, log=log)
-        except RunFinished as finished:
-            return None, (0, str(finished))
-        except (RunExistsError, OSError, ValueError, TrackerError, ScoringError) as err:
-            return None, (2, f"error: {err}")
-        except EngineError as err:
-            return None, (2, f"error: {err}\n{engine_advice(cfg)}")
-        except KeyboardInterrupt:  # Ctrl-C while loading: a run folder the attempt created is already removed
-            return None, interrupted
-    if startup.signum is not None:  # a Ctrl-C whose KeyboardInterrupt Python dropped (raised inside a finalizer)
+            trainer, failed = _open_trainer(cfg, resume, log)
+        except KeyboardInterrupt as err:  # while loading: a run folder the attempt created is already removed
+            return None, startup_stop(err)
+    if trainer is not None and startup.signum is not None:  # a signal whose exception Python dropped (in a finalizer)
         trainer.close()
-        return None, interrupted
-    return trainer, None
+        return None, startup_stop(signum=startup.signum)
+    return trainer, failed
+
+
+def _open_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
+    """training.trainer.open_trainer, its imports (torch: seconds) included: (Trainer, None), or (None, (exit code,
+    message)) for a run that cannot start or has nothing to do."""
+    from nearpolicy.engines.base import EngineError
+    from nearpolicy.runs.folder import RunExistsError, RunFinished
+    from nearpolicy.runs.trackers import TrackerError
+    from nearpolicy.tasks.scoring import ScoringError
+    from nearpolicy.training.trainer import open_trainer
+
+    try:
+        return open_trainer(cfg, resume=resume, log=log), None
+    except RunFinished as finished:
+        return None, (0, str(finished))
+    except (RunExistsError, OSError, ValueError, TrackerError, ScoringError) as err:
+        return None, (2, f"error: {err}")
+    except EngineError as err:
+        return None, (2, f"error: {err}\n{engine_advice(cfg)}")
 
 
 def load_warning(load_1min: float | None = None, cores: int | None = None) -> str | None:

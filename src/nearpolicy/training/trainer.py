@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from nearpolicy.batching import collate
+from nearpolicy.batching import TokenBatch, collate
 from nearpolicy.config.schema import Config
 from nearpolicy.engines.base import EngineDied
 from nearpolicy.training.guards import BadStepGuard, check_finite_weights
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.training.phases import (accuracy_figure, distill_advantages, eval_metrics, eval_samples, mismatch_diagnostics,
-                               progress_postfix, score_texts, step_metrics, turn_credit_advantages)
-from nearpolicy.model.policy import recompute_logprobs
+from nearpolicy.training.phases import (accuracy_figure, advantage_signal, distill_advantages, eval_metrics, eval_samples,
+                                        mismatch_diagnostics, progress_postfix, score_texts, step_metrics,
+                                        turn_credit_advantages)
 from nearpolicy.model.ewma import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.runs.start_checks import check_run_folder, last_eval_accuracy, note_engine_precision, set_aside_restarted_metrics
@@ -34,10 +34,10 @@ from nearpolicy.signals import StopRequested
 from nearpolicy.tasks import Problem
 from nearpolicy.tasks.identity import data_identity
 from nearpolicy.tasks.scoring import BoundedScorer
-from nearpolicy.runs.trackers import open_trackers
+from nearpolicy.runs.trackers import check_trackers, open_trackers
 from nearpolicy.types import Rollout
 from nearpolicy.ops.schedule import learning_rate
-from nearpolicy.training.update import UpdateResult, UpdateSettings, policy_update
+from nearpolicy.training.update import Recomputed, UpdateResult, UpdateSettings, policy_update, recompute
 
 
 @dataclass
@@ -49,14 +49,15 @@ class TrainState:
     scheduler: dict | None = None  # the rollout source's restart state (async rollouts: the scheduler's)
 
 
-def _update_settings(cfg: Config) -> UpdateSettings:
+def update_settings(cfg: Config) -> UpdateSettings:
     a, c = cfg.algorithm, cfg.correction
     params = PolicyLossParams(a.clip_low, a.clip_high, a.dual_clip, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                               entropy_coef=a.entropy_coef)
     longest = cfg.episode.max_tokens if cfg.episode.enabled else cfg.sampling.max_new_tokens  # a response's most tokens
     constant = a.aggregation_constant or float(longest)
     return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.loss, params, a.aggregation, constant,
-                          c.spec(), c.center, c.adaptive_mix, c.proximal, a.epochs, a.observation_loss_coef)
+                          c.spec(), c.center, c.adaptive_mix, c.proximal, a.epochs, a.observation_loss_coef,
+                          baseline_after_rejection=a.baseline_samples == "accepted" and c.spec().rejects)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
@@ -71,10 +72,12 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: Config, step: int) 
 def open_trainer(cfg: Config, *, resume: bool = False, log=print,
                  build: Callable[[Config, Path, Callable], tuple[Session, RolloutSource]] = assemble) -> Trainer:
     """Check the run folder (runs.start_checks.check_run_folder: a run there needs --resume; a resume needs the same config
-    and data, and steps left), assemble the session and rollout source with `build` (training.assemble.assemble), and return
-    the Trainer. A run that fails to assemble leaves no folder behind."""
+    and data, and steps left) and the trackers (runs.trackers.check_trackers), assemble the session and rollout source
+    with `build` (training.assemble.assemble), and return the Trainer. A run that fails to assemble leaves no folder
+    behind."""
     run_dir = cfg.run.output_dir / cfg.run.name
     folder = check_run_folder(cfg, resume)  # a run already there, a changed config or data: refused before loading
+    check_trackers(cfg.logging)  # a missing wandb / tensorboard, online wandb without credentials: also before
     if folder.restart:
         set_aside_restarted_metrics(run_dir)
         log(f"starting over: {folder.said}")
@@ -94,27 +97,30 @@ def open_trainer(cfg: Config, *, resume: bool = False, log=print,
         raise
 
 
-def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], sampling,
-                    problems: dict[int, Problem] | None = None):
+def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], batch: TokenBatch, sampling,
+                    problems: dict[int, Problem] | None = None, rejected: torch.Tensor | None = None):
     """(rewards [N] float32, NaN = unscorable; the advantage result of algorithm.advantage, whose keep-mask also
-    drops unscorable samples from the loss unless a teacher scores them; the token batch; the advantages, [N], or
-    [N, T] with on-policy distillation or turn-level credit (algorithm.turn_credit other than outcome: episodes,
-    `problems` by group id give TRACE's gold answers); the distillation / turn-credit metrics)."""
+    drops unscorable samples from the loss unless a teacher scores them; the advantages, [N], or [N, T] with on-policy
+    distillation or turn-level credit (algorithm.turn_credit other than outcome: episodes, `problems` by group id give
+    TRACE's gold answers); the distillation / turn-credit metrics and advantage/nonzero_frac). `batch`: the rollouts'
+    token batch; rejected [N] bool (update.rejected_samples): samples left out of their group's baseline (advantage 0,
+    as an unscorable one; they stay in the loss mask, where the correction zeroes their tokens)."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     group_ids = torch.tensor([r.group_id for r in rollouts])
-    adv = compute_advantages(cfg.algorithm.advantage, rewards, group_ids)
-    batch = collate(rollouts, session.pad_id, session.vocab_size, cfg.algorithm.shared_prompt)
+    baseline = rewards if rejected is None else torch.where(rejected, torch.full_like(rewards, float("nan")), rewards)
+    adv = compute_advantages(cfg.algorithm.advantage, baseline, group_ids)
     if cfg.algorithm.turn_credit != "outcome":
         answers = [problems[r.group_id].answer for r in rollouts] if problems else [""] * len(rollouts)
         advantages, keep, metrics = turn_credit_advantages(cfg, session.ref_model, session.tokenizer, batch,
-                                                           batch.observation_mask, batch.turn_index, rewards,
+                                                           batch.observation_mask, batch.turn_index, baseline,
                                                            group_ids, answers)
-        return rewards, replace(adv, keep=keep), batch, advantages, metrics
-    if session.teacher is None:  # an unscorable sample leaves the loss's numerator and its denominator
+        adv = replace(adv, keep=keep if rejected is None else keep | (rejected & torch.isfinite(rewards)))
+    elif session.teacher is None:  # an unscorable sample leaves the loss's numerator and its denominator
         adv = replace(adv, keep=adv.keep & torch.isfinite(rewards))
-        return rewards, adv, batch, adv.advantages.float(), {}
-    advantages, metrics = distill_advantages(cfg, session.teacher, batch, adv.advantages.float(), sampling)
-    return rewards, adv, batch, advantages, metrics
+        advantages, metrics = adv.advantages.float(), {}
+    else:
+        advantages, metrics = distill_advantages(cfg, session.teacher, batch, adv.advantages.float(), sampling)
+    return rewards, adv, advantages, metrics | advantage_signal(advantages, adv.keep, batch.mask)
 
 
 def kl_reference(cfg: Config, session: Session):
@@ -144,7 +150,7 @@ class Trainer:
         self.run_dir = cfg.run.output_dir / cfg.run.name
         self.data = data if data is not None else data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
         self.sampling = sampling_params(cfg)
-        self.settings = _update_settings(cfg)
+        self.settings = update_settings(cfg)
         self.state = TrainState()
         self.guard = BadStepGuard(cfg.run.max_bad_steps)
         self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
@@ -156,7 +162,7 @@ class Trainer:
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
         write_json(self.run_dir / "plan.json", session.plan | {"data": self.data, "resumed_at_step": self.state.step})
         self.metrics = MetricsSink(self.run_dir, open_trackers(self.run_dir, cfg.logging, cfg.model_dump(mode="json")))
-        self.samples = SampleLog(self.run_dir, resumed_at=self.state.step)  # a few eval responses per eval
+        self.samples = SampleLog(self.run_dir, resumed_at=self.state.step)  # eval responses and rewards
         self.scorer = BoundedScorer(session.task, cfg.task.reward_timeout_s)  # last: nothing after it can fail
 
     # -- phases ----------------------------------------------------------------------------------
@@ -172,21 +178,16 @@ class Trainer:
         return {"reward/unscorable": float(unscorable),
                 "reward/timeouts": float(sum(result.status == "timeout" for result in results))}
 
-    def update(self, batch, advantages: torch.Tensor, keep: torch.Tensor | None, timer: _Timer) -> UpdateResult:
-        """Recompute old_logprobs (unless fused into the update), then epochs x minibatches optimizer steps at this
-        step's learning rate (ops/schedule.py)."""
-        micro, old, entropy = self.cfg.algorithm.micro_batch_size, None, None
+    def update(self, batch, advantages: torch.Tensor, keep: torch.Tensor | None, old: Recomputed,
+               timer: _Timer) -> UpdateResult:
+        """epochs x minibatches optimizer steps at this step's learning rate (ops/schedule.py)."""
         lr = set_learning_rate(self.s.optimizer, self.cfg, self.state.step)
-        if not self.settings.fusable:  # else fused into the update
-            with timer("recompute"):
-                old, entropy = recompute_logprobs(self.s.model, batch, self.sampling, micro)
         with timer("update"):
-            ewma = None if self.ewma is None else self.ewma.logprobs(batch, self.sampling, micro)
-            update = policy_update(self.s.model, self.s.optimizer, batch, old, advantages, self.sampling,
-                                   self.settings, sample_keep=keep, ref_model=kl_reference(self.cfg, self.s), ewma_logprobs=ewma,
-                                   version=self.state.version,
+            update = policy_update(self.s.model, self.s.optimizer, batch, old.old_logprobs, advantages, self.sampling,
+                                   self.settings, sample_keep=keep, ref_model=kl_reference(self.cfg, self.s),
+                                   ewma_logprobs=old.ewma_logprobs, version=self.state.version,
                                    on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
-        update.entropy = entropy if update.entropy is None else update.entropy
+        update.entropy = old.entropy if update.entropy is None else update.entropy
         update.metrics["actor/lr"] = lr
         return update
 
@@ -210,6 +211,7 @@ class Trainer:
                                                f"eval at step {self.state.step}{label}", self.log)
         completions, results, extra = self.rollouts.evaluate(engine, problems, score)
         self.samples.write(eval_samples(self.state.step, self.s.tokenizer, problems, completions, results))
+        self.samples.write_outcomes(self.state.step, [r.reward for r in results])  # every problem's, for the arena
         return eval_metrics(results, completions) | extra | {"time/eval": time.perf_counter() - started}
 
     def train_step(self) -> dict[str, float]:
@@ -218,9 +220,12 @@ class Trainer:
             got = self.rollouts.collect(self.state.step, self.state.version, self.state.data_position)
         with timer("score"):
             score_metrics = self.score(got.rollouts, got.problems)
-        rewards, adv, batch, advantages, distill_metrics = step_advantages(self.cfg, self.s, got.rollouts,
-                                                                           self.sampling, got.problems)
-        update = self.update(batch, advantages, adv.keep, timer)
+        batch = collate(got.rollouts, self.s.pad_id, self.s.vocab_size, self.cfg.algorithm.shared_prompt)
+        with timer("recompute"):
+            old = recompute(self.s.model, batch, self.sampling, self.settings, self.ewma, self.state.version)
+        rewards, adv, advantages, distill_metrics = step_advantages(self.cfg, self.s, got.rollouts, batch, self.sampling,
+                                                                    got.problems, old.rejected)
+        update = self.update(batch, advantages, adv.keep, old, timer)
         with timer("diagnostics"):
             _, defined = mismatch_log_ratio(update.old_logprobs, batch.rollout_logprobs, batch.mask, batch.has_rollout)
             mismatch = mismatch_diagnostics(update, batch, defined) if self.cfg.logging.diagnostics else {}

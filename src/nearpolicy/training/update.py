@@ -20,7 +20,7 @@ from nearpolicy.ops.losses import ADVANTAGE_PROPORTIONAL_LOSSES, PolicyLossInput
 from nearpolicy.ops.masked import aggregation_denominator
 from nearpolicy.ops.proximal import ais_lambda, discrepancy_center, proximal_logprobs
 from nearpolicy.ops.observation_loss import observation_loss
-from nearpolicy.model.policy import sequence_logprobs, sequence_logprobs_with_raw
+from nearpolicy.model.policy import recompute_logprobs, sequence_logprobs, sequence_logprobs_with_raw
 from nearpolicy.types import SamplingParams
 
 
@@ -39,6 +39,7 @@ class UpdateSettings:
     proximal: str = "old"  # old, ewma (ewma_logprobs given to policy_update) or a3po (ops/proximal.py)
     epochs: int = 1  # passes over the batch (PPO epochs); each pass runs the mini-batches in the same order
     observation_loss_coef: float = 0.0  # ECHO: + coef x the observation tokens' cross-entropy (0 = off)
+    baseline_after_rejection: bool = False  # old_logprobs come before the advantages (rejected_samples), never fused
 
     @property
     def optimizer_steps(self) -> int:
@@ -47,11 +48,23 @@ class UpdateSettings:
     @property
     def fusable(self) -> bool:
         """True when old_logprobs can be taken from the first forward of the update (weights not yet moved)."""
-        return self.optimizer_steps == 1 and not self.needs_batch_statistics
+        return self.optimizer_steps == 1 and not self.needs_batch_statistics and not self.baseline_after_rejection
 
     @property
     def needs_batch_statistics(self) -> bool:
         return self.center != "none" or self.adaptive_mix != "none" or self.correction.self_normalize != "off"
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """What the trainer computes at the sampling weights before the advantages: old_logprobs and entropy [B, T] float32
+    (None when fused into the update), the EWMA proximal's log-probs [B, T] (None without one), and the samples the
+    correction rejects whole ([B] bool, rejected_samples; None unless UpdateSettings.baseline_after_rejection)."""
+
+    old_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    ewma_logprobs: torch.Tensor | None = None
+    rejected: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,6 +105,40 @@ def batch_correction(batch: TokenBatch, proximal: torch.Tensor, settings: Update
         lr, dfn = correction_log_ratio(spec.mode, proximal, proximal, rollout, mask, batch.has_rollout)
         normalizer = correct(spec, lr, dfn, mask).metrics["correction/sn_factor"]  # reported by each micro-batch
     return center, spec, metrics, normalizer
+
+
+def recompute(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParams, settings: UpdateSettings,
+              ewma=None, version: int = 0) -> Recomputed:
+    """The log-probs at the sampling weights, before the advantages (the weights have not moved since sampling):
+    old_logprobs and entropy (unless settings.fusable: then policy_update computes them in its first forward), the
+    EWMA proximal's (`ewma`: a model.ewma.EwmaPolicy, or None), and, with settings.baseline_after_rejection, the
+    samples the correction rejects whole (rejected_samples at the trainer's `version`)."""
+    old = Recomputed()
+    if not settings.fusable:
+        old = Recomputed(*recompute_logprobs(model, batch, sampling, settings.micro_batch_size))
+    if ewma is not None:
+        old = replace(old, ewma_logprobs=ewma.logprobs(batch, sampling, settings.micro_batch_size))
+    if settings.baseline_after_rejection:
+        old = replace(old, rejected=rejected_samples(batch, old.old_logprobs, settings, version, old.ewma_logprobs))
+    return old
+
+
+def rejected_samples(batch: TokenBatch, old_logprobs: torch.Tensor, settings: UpdateSettings, version: int = 0,
+                     ewma_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] bool: the samples settings.correction rejects whole (a sample with response tokens, none of them kept), as
+    policy_update's first mini-batch decides: the same proximal, DLC centre and AIS mix (batch_correction), the
+    current log-probs equal to old_logprobs [B, T] (the trainer at the sampling weights, float32). In decoupled mode
+    with proximal "old" every mini-batch rejects exactly these; in bypass mode and with "a3po" later mini-batches
+    decide on the moved policy. For algorithm.baseline_samples = "accepted" (docs/math.md sec. 2); ewma_logprobs
+    [B, T] for proximal "ewma". Raises what proximal_logprobs raises."""
+    first = proximal_logprobs(settings.proximal, "decoupled", old_logprobs, old_logprobs, batch.rollout_logprobs,
+                              batch.has_rollout, batch.versions, version, ewma_logprobs)
+    center, spec, _, _ = batch_correction(batch, first, settings)
+    prox = proximal_logprobs(settings.proximal, spec.mode, old_logprobs, old_logprobs, batch.rollout_logprobs,
+                             batch.has_rollout, batch.versions, version, ewma_logprobs, center)
+    result = mismatch_correction(spec, old_logprobs, prox, batch.rollout_logprobs + center, batch.mask,
+                                 batch.has_rollout)
+    return batch.mask.any(-1) & ~result.keep.any(-1)
 
 
 def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: TokenBatch,

@@ -1,0 +1,147 @@
+"""The arena's comparisons of two arms, paired (paired.py): every correction against the baseline correction under
+each source, and every source against the first source for each correction (e.g. eta4 vs eta1, G8 vs G2).
+
+For each comparison and each of the final and the best accuracy: the paired difference over the seeds both arms
+finished with an accuracy (a seed's cells share its data order and sampling seeds; every cell scores the same eval
+problems), its 95 % CI and MDE at 80 % power (paired.paired_seeds, the eval set's noise at least its lower bound
+paired.problem_noise_floor from the seeds' counts of correct answers); for the final accuracy, where the runs record
+every eval problem's outcome in every matched cell (eval_outcomes.jsonl, or samples.jsonl holding every problem:
+table.final_outcomes), the paired bootstrap over problems x seeds
+(paired.paired_bootstrap) beside it; and the unpaired Welch bound of table.compare, for reference. Below MIN_SEEDS
+matched seeds nothing is claimed. A CI that contains 0 is worded "no difference detected (CI [lo, hi], MDE m)".
+The CIs are per comparison, not adjusted for their number: of k comparisons with no true difference, about 0.05 k
+are expected to exclude 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nearpolicy.arena.paired import Paired, paired_bootstrap, paired_seeds, problem_noise_floor, t975, verdict
+from nearpolicy.arena.table import MIN_SEEDS, Aggregate, CellResult, Comparison, compare
+
+WHICH = ("final", "best")
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """arm - base, both (correction, source), of the `which` accuracy: `seeds` the paired t over matched seeds (None
+    when there are fewer than MIN_SEEDS, `reason` says why), `problems` the bootstrap over problems x seeds (None:
+    `problems_reason` says why), `welch` table.compare's unpaired bound (None without an accuracy)."""
+
+    arm: tuple[str, str]
+    base: tuple[str, str]
+    which: str
+    seeds: Paired | None
+    problems: Paired | None
+    reason: str | None
+    problems_reason: str | None
+    welch: Comparison | None
+
+    @property
+    def label(self) -> str:
+        """'tis vs off under q4_1' (two corrections) or 'bypass: eta4 vs eta1' (two sources)."""
+        if self.arm[1] == self.base[1]:
+            return f"{self.arm[0]} vs {self.base[0]} under {self.arm[1]}"
+        return f"{self.arm[0]}: {self.arm[1]} vs {self.base[1]}"
+
+    def statement(self) -> str:
+        """One sentence: the paired verdict over seeds, the bootstrap's (or why there is none), Welch's bound."""
+        head = f"{self.label}, {self.which} accuracy: "
+        if self.seeds is None:
+            return head + str(self.reason)
+        p = self.seeds
+        said = (f"paired over seeds {', '.join(str(s) for s, _ in p.per_seed)}: {verdict(p)} (per-seed differences "
+                f"{', '.join(f'{d:+.3f}' for _, d in p.per_seed)}; paired t, df {p.df}; SE {p.se:.3f} = seeds "
+                f"{p.se_seeds:.3f} (+) eval set >= {p.eval_floor:.3f}; the seeds alone: CI "
+                f"[{p.difference - t975(p.df) * p.se_seeds:+.3f}, {p.difference + t975(p.df) * p.se_seeds:+.3f}])")
+        if self.which == "final":
+            said += "; over problems x seeds: " + (
+                f"{verdict(self.problems)} ({self.problems.problems} problems x {self.problems.seeds} seeds, paired "
+                f"bootstrap)" if self.problems is not None else str(self.problems_reason))
+        if self.welch is not None and self.welch.bound is not None:
+            said += f"; unpaired Welch 95 % bound +-{self.welch.bound:.3f}, for reference"
+        return head + said
+
+
+def arm_pairs(corrections: list[str], sources: list[str], baseline: str) -> list[tuple[tuple[str, str], ...]]:
+    """The (arm, base) pairs compared: each correction but the baseline against the baseline under each source,
+    then each source but the first against the first for each correction."""
+    pairs = [((c, s), (baseline, s)) for s in sources for c in corrections if c != baseline]
+    return pairs + [((c, s), (c, sources[0])) for c in corrections for s in sources[1:]]
+
+
+def _accuracies(results: list[CellResult], arm: tuple[str, str], which: str) -> dict[int, CellResult]:
+    """seed -> the arm's finished cell (done or diverged) with a `which` accuracy."""
+    return {r.seed: r for r in results if (r.correction, r.source) == arm and r.status in ("done", "diverged")
+            and getattr(r, f"{which}_accuracy") is not None}
+
+
+def _bootstrap(a: dict[int, CellResult], b: dict[int, CellResult], seeds: list[int],
+               eval_size: int) -> tuple[Paired | None, str | None]:
+    """The paired bootstrap over problems x the matched seeds, or (None, why not)."""
+    cells = [a[s] for s in seeds] + [b[s] for s in seeds]
+    if any(c.final_outcomes is None for c in cells):
+        recorded = min(c.outcomes_recorded for c in cells)
+        return None, (f"not available: samples.jsonl records {recorded} of {eval_size} eval problems at the last step "
+                      f"(the bootstrap needs every problem's outcome)")
+    keep = [p for p in range(eval_size) if all(c.final_outcomes[p] is not None for c in cells)]
+    if not keep:
+        return None, "not available: no eval problem was scorable in every matched cell"
+    table = lambda arm: np.array([[arm[s].final_outcomes[p] for p in keep] for s in seeds])  # noqa: E731
+    return paired_bootstrap(table(a), table(b), seeds), None
+
+
+def eval_floor(a: dict[int, float], b: dict[int, float], eval_size: int) -> float:
+    """paired.problem_noise_floor from the seeds' counts of correct answers (accuracy x eval_size); 0 when an
+    accuracy is no whole count of eval_size (unscorable answers made it a fraction of fewer problems)."""
+    counts = [(a[s] * eval_size, b[s] * eval_size) for s in sorted(a)]
+    if any(abs(x - round(x)) > 1e-6 for pair in counts for x in pair):
+        return 0.0
+    return problem_noise_floor([round(x) - round(y) for x, y in counts], eval_size)
+
+
+def compare_paired(results: list[CellResult], aggregates: list[Aggregate], arm: tuple[str, str],
+                   base: tuple[str, str], which: str, eval_size: int) -> PairedComparison:
+    """The PairedComparison of arm against base (module docstring)."""
+    a, b = _accuracies(results, arm, which), _accuracies(results, base, which)
+    by = {(g.correction, g.source): g for g in aggregates}
+    welch = compare(by[arm], by[base], eval_size, which) if arm in by and base in by else None
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return PairedComparison(arm, base, which, None, None, "not available (no seed has a result in both arms)",
+                                None, welch)
+    if len(seeds) < MIN_SEEDS:
+        return PairedComparison(arm, base, which, None, None, f"not established: {len(seeds)} seed"
+                                f"{'' if len(seeds) == 1 else 's'}; at least {MIN_SEEDS} needed", None, welch)
+    accuracy = lambda cells: {s: getattr(cells[s], f"{which}_accuracy") for s in seeds}  # noqa: E731
+    paired = paired_seeds(accuracy(a), accuracy(b), eval_floor(accuracy(a), accuracy(b), eval_size))
+    problems, why = _bootstrap(a, b, seeds, eval_size) if which == "final" else (None, None)
+    return PairedComparison(arm, base, which, paired, problems, None, why, welch)
+
+
+def paired_comparisons(results: list[CellResult], aggregates: list[Aggregate], corrections: list[str],
+                       sources: list[str], baseline: str, eval_size: int) -> list[PairedComparison]:
+    """Every comparison of arm_pairs, for the final then the best accuracy of each pair."""
+    return [compare_paired(results, aggregates, arm, base, which, eval_size)
+            for arm, base in arm_pairs(corrections, sources, baseline) for which in WHICH]
+
+
+METHOD = (
+    "Paired statistics. A seed's cells share its training-data order and sampling seeds, and every cell scores the "
+    "same eval problems, so two arms are compared seed by seed: d_s = a_s - b_s over the seeds both finished, "
+    "difference = mean d_s; SE^2 = (sd(d_s) / sqrt(n))^2 (the seeds) + floor^2 (the eval set); 95 % CI = difference "
+    "+- t(0.975, n - 1) x SE (the paired t interval). The seeds' part alone is given the eval set (it speaks of these "
+    "problems); the floor is the least standard error that sampling the eval problems can add, given each seed's "
+    "count of correct answers in both arms (the net count difference spread as evenly as the problems allow: 0 when "
+    "it is 0), so it is a lower bound and the CI and MDE are the narrowest the data allow. Where the runs record "
+    "every eval problem's outcome at the last step (eval_outcomes.jsonl), the final accuracy also gets a paired "
+    "bootstrap over problems x seeds (10 000 replicates, each drawing seeds and problems with replacement, the same draws for both "
+    "arms; percentile CI; Owen 2007's two-way bootstrap), which includes the eval set's noise itself. MDE: the "
+    "smallest true difference detected with 80 % power at a two-sided 5 % level, taking the SE as the true one: "
+    "M x SE, M the exact noncentral-t multiplier for n - 1 df (5.653 at 3 seeds), 2.802 for the bootstrap. 'bound "
+    "set by': the eval set when its floor exceeds the seeds' SE, else not known (the floor is only a lower bound). "
+    "A difference is detected when its CI excludes 0; otherwise 'no difference detected' (not: the arms are the "
+    "same). The CIs are not adjusted for the number of comparisons (of k with no true difference, about 0.05 k "
+    "exclude 0). The unpaired Welch bound (SE floored at the eval set's binomial noise) is shown for reference.")

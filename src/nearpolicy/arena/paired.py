@@ -1,0 +1,162 @@
+"""Paired statistics of two arena arms: the difference a - b of an accuracy over matched seeds, and over eval
+problems x seeds where each eval problem's outcome is recorded. Pure: numbers in, numbers out.
+
+Every cell of an arena with the same seed shares that seed's training-data order and sampling seeds, and every cell
+scores the same held-out problems, so two arms' accuracies are paired by seed (and by problem): the seed's own
+luck (a hard data order) is shared and cancels in the difference. Two methods (docs/arena.md, "Paired statistics"):
+
+- **Over seeds** (`paired_seeds`): d_s = a_s - b_s over the seeds both arms have; the mean d, its standard error
+  over seeds sd(d_s) / sqrt(n) and the 95 % confidence interval d +- t_{0.975, n-1} SE (the paired t interval).
+  That alone is given the eval set: its problems are fixed, so it speaks of these problems, not the task's
+  population of problems. Where each problem's outcome is not recorded, the eval set's share is bounded below
+  from the seeds' counts of correct answers (`problem_noise_floor`) and added in quadrature: SE^2 = (sd(d_s) /
+  sqrt(n))^2 + floor^2, so the interval counts at least the eval-set noise the counts prove.
+- **Over problems x seeds** (`paired_bootstrap`): D[s, p] = a[s, p] - b[s, p], the outcomes (reward in [0, 1]) of
+  problem p at seed s; its mean is the difference of the mean accuracies. A replicate resamples seeds and problems
+  independently with replacement (the same draws for both arms: the pairing is kept) and takes the mean of D over
+  the drawn seeds x drawn problems (the two-way "pigeonhole" bootstrap: Owen 2007, Ann. Appl. Stat. 1(2), 386-411,
+  which is conservative: it counts the seed x problem interaction more than once). The 95 % interval is the 2.5 / 97.5
+  percentiles of REPLICATES replicates (a fixed generator seed: the page is reproducible); SE their sd. This one
+  includes the problem-sampling noise of a finite eval set.
+
+The minimum detectable difference (MDE) at 80 % power, two-sided 5 %: for the paired t, M80[df] x SE with M80 the
+exact noncentral-t multiplier (below); for the bootstrap, (z_0.975 + z_0.80) x SE = 2.802 x SE (normal). Both treat
+the observed SE as the true one (Bloom 1995, Evaluation Review 19(5), 547-556: MDE = multiplier x SE).
+
+A difference is *detected* when its 95 % interval excludes 0; otherwise it is worded "no difference detected (CI
+[lo, hi], MDE m)", never as the arms being the same."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""t_{0.975, df} for df = 1..30 (Student's t, two-sided 95 %; the standard table, e.g. NIST/SEMATECH e-Handbook of
+Statistical Methods, sec. 1.3.6.7.2). Above 30 degrees of freedom the df = 30 value is used (conservative)."""
+
+M80 = (16.334, 5.653, 4.256, 3.761, 3.514, 3.367, 3.270, 3.201, 3.150, 3.110, 3.078, 3.053, 3.031, 3.013, 2.998,
+       2.985, 2.973, 2.963, 2.954, 2.945, 2.938, 2.932, 2.926, 2.920, 2.915, 2.911, 2.906, 2.902, 2.899, 2.895)
+"""For df = 1..30: the noncentrality delta at which the two-sided 5 % t test with df degrees of freedom has power
+0.80, P(|T'| > t_{0.975, df}) = 0.80 with T' noncentral t(df, delta): the MDE in units of SE. Computed by solving
+that equation with the noncentral-t distribution (scipy.stats.nct, brentq; tests/test_arena_paired.py checks df 2
+by simulation). Bloom's approximation t_{0.975} + t_{0.80} (5.364 at df 2) has power 0.77 there. Above 30 the df =
+30 value is used (conservative)."""
+
+Z_MDE = 1.959964 + 0.841621  # z_0.975 + z_0.80: the normal MDE multiplier (the bootstrap's)
+REPLICATES = 10_000
+BOOTSTRAP_SEED = 0
+
+
+def t975(df: float) -> float:
+    """t_{0.975, df} from T975, df rounded down (fewer degrees of freedom: a wider bound), clamped to [1, 30]."""
+    return T975[min(max(int(df), 1), len(T975)) - 1]
+
+
+def m80(df: float) -> float:
+    """The MDE multiplier M80 (80 % power, two-sided 5 %) for df degrees of freedom (rounded down, clamped to 1..30)."""
+    return M80[min(max(int(df), 1), len(M80)) - 1]
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A paired difference a - b: its estimate, 95 % interval (low, high), standard error, MDE at 80 % power and
+    what it was paired over. `method` is "seeds" (paired t, df = seeds - 1) or "problems x seeds" (the bootstrap,
+    df None); `seeds` and `problems` count the units (problems None for the seed method); `per_seed` the seeds'
+    differences (seed, d_s) in seed order (the seed method) or the seeds' mean differences over problems. For the
+    seed method `se` = sqrt(se_seeds^2 + eval_floor^2): the seeds' SE and the eval set's (problem_noise_floor; 0 when
+    not given)."""
+
+    method: str
+    difference: float
+    low: float
+    high: float
+    se: float
+    mde: float
+    seeds: int
+    problems: int | None = None
+    df: int | None = None
+    per_seed: tuple[tuple[int, float], ...] = ()
+    se_seeds: float | None = None
+    eval_floor: float | None = None
+
+    @property
+    def detected(self) -> bool:
+        """Whether the 95 % interval excludes 0."""
+        return self.low > 0 or self.high < 0
+
+
+def problem_noise_floor(count_differences: list[int], problems: int) -> float:
+    """A lower bound on the standard error that sampling the `problems` eval problems adds to a paired difference of
+    mean accuracies, from the seeds' differences in correct answers alone (k_a,s - k_b,s, ints; S seeds), when
+    each problem's outcome is not recorded. The problem part of the two-way bootstrap's variance is at least
+    Var_p(delta_p) / P, delta_p = mean over seeds of the outcome difference on problem p (a multiple of 1 / S; they
+    sum to net / S, net = sum of the count differences), least when the |net| units of 1 / S are spread as evenly
+    as the problems allow: q = |net| // P, r = |net| % P: r problems at (q + 1) / S, the rest at q / S; so
+    Var_p >= (r (q + 1)^2 + (P - r) q^2) / (S^2 P) - (net / (S P))^2. 0 when the net difference is 0 (the bound
+    says nothing then). Raises ValueError without seeds or problems."""
+    if not count_differences or problems < 1:
+        raise ValueError("problem_noise_floor needs at least one seed and one problem")
+    n_seeds, net = len(count_differences), abs(sum(count_differences))
+    q, r = divmod(net, problems)
+    mean_square = (r * (q + 1) ** 2 + (problems - r) * q ** 2) / (n_seeds ** 2 * problems)
+    variance = max(0.0, mean_square - (net / (n_seeds * problems)) ** 2)
+    return math.sqrt(variance / problems)
+
+
+def paired_seeds(a: dict[int, float], b: dict[int, float], eval_floor: float = 0.0) -> Paired | None:
+    """The paired t of a - b over the seeds both dicts (seed -> accuracy) hold: mean d, se_seeds = sd(d_s) /
+    sqrt(n) (sample sd), SE = sqrt(se_seeds^2 + eval_floor^2), CI d +- t975(n - 1) SE, MDE m80(n - 1) SE. With
+    eval_floor 0 it is the plain paired t (given the eval set). None with fewer than 2 matched seeds (no sd)."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    d = [a[s] - b[s] for s in seeds]
+    n = len(d)
+    mean = math.fsum(d) / n
+    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in d) / (n - 1))
+    se_seeds = sd / math.sqrt(n)
+    se = math.hypot(se_seeds, eval_floor)
+    half = t975(n - 1) * se
+    return Paired("seeds", mean, mean - half, mean + half, se, m80(n - 1) * se, n, None, n - 1,
+                  tuple(zip(seeds, d)), se_seeds, eval_floor)
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, seeds: list[int] | None = None, replicates: int = REPLICATES,
+                     generator_seed: int = BOOTSTRAP_SEED) -> Paired:
+    """The two-way paired bootstrap (module docstring) of mean(a) - mean(b): a, b [S, P] float outcomes (reward in
+    [0, 1]) of P problems at S seeds, row s of both from the same seed, column p the same problem. Each replicate
+    draws S seeds and P problems with replacement (numpy default_rng(generator_seed)) and takes the mean of
+    D = a - b over the drawn rows x columns; CI the 2.5 / 97.5 % percentiles, SE the replicates' sd, MDE Z_MDE x
+    SE. Raises ValueError for shapes that differ or an empty table."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 2 or 0 in a.shape:
+        raise ValueError(f"paired_bootstrap needs two [seeds, problems] tables of one shape, got {a.shape}, {b.shape}")
+    d = a - b
+    n_seeds, n_problems = d.shape
+    rng = np.random.default_rng(generator_seed)
+    # counts of each seed / problem in each replicate: the mean over drawn seeds x problems is c_s @ D @ c_p / (S P)
+    c_seed = rng.multinomial(n_seeds, np.full(n_seeds, 1 / n_seeds), size=replicates).astype(np.float64)
+    c_problem = rng.multinomial(n_problems, np.full(n_problems, 1 / n_problems), size=replicates).astype(np.float64)
+    stats = np.einsum("rs,sp,rp->r", c_seed, d, c_problem) / (n_seeds * n_problems)
+    low, high = np.quantile(stats, [0.025, 0.975])
+    se = float(stats.std(ddof=1))
+    labels = seeds if seeds is not None else list(range(n_seeds))
+    return Paired("problems x seeds", float(d.mean()), float(low), float(high), se, Z_MDE * se, n_seeds, n_problems,
+                  None, tuple((s, float(row.mean())) for s, row in zip(labels, d)))
+
+
+def verdict(p: Paired) -> str:
+    """'difference detected: +0.050 (CI [+0.025, +0.075], MDE 0.033)' or 'no difference detected (CI [-0.100,
+    +0.150], MDE 0.210)': the 95 % interval and the MDE at 80 % power beside every estimate; 'not established'
+    when the SE is 0 (every seed's difference the same: no spread to bound it)."""
+    if p.se == 0:
+        return (f"not established: every {'seed' if p.problems is None else 'draw'}'s difference is "
+                f"{p.difference:+.3f} (sd 0 over {p.seeds} seeds), so there is no spread to bound it")
+    said = f"CI [{p.low:+.3f}, {p.high:+.3f}], MDE {p.mde:.3f}"
+    if p.detected:
+        return f"difference detected: {p.difference:+.3f} ({said})"
+    return f"no difference detected ({said})"

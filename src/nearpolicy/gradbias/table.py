@@ -1,0 +1,173 @@
+"""The gradient-bias table from a measurement's grams.npz and effects.json (run.py), and its outputs:
+gradbias.json (every estimate with its interval), gradbias.md (the table), gradbias.png (relative bias against
+relative variance per correction, one panel per source) and gradbias.html (the page).
+
+`analyze(folder)` needs only those two small files, so a committed measurement (docs/gradbias/) is re-tabled
+without the replicates: `nearpolicy gradbias --analyze FOLDER`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from nearpolicy.gradbias.estimate import (Grams, bootstrap_counts, cell_estimates, mean_interval, removed_fraction)
+
+BOOTSTRAP_DRAWS = 2000
+
+
+def _blocks(gram: np.ndarray, n: int, arm: int) -> Grams:
+    """The cell Grams of correction block `arm` (1-based; block 0 is the reference) of a stacked Gram matrix."""
+    x, y = slice(0, n), slice(arm * n, (arm + 1) * n)
+    return Grams(gram[x, x], gram[y, y], gram[y, x])
+
+
+def analyze(folder: Path, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict:
+    """Per source, per correction: the estimates of estimate.cell_estimates, removed_fraction against "off", the
+    mean changed fraction and ESS (batch-means intervals); per source the mismatch facts (k3, reward, length,
+    truncated share, seconds); the measurement's meta. Raises FileNotFoundError when the files are missing."""
+    folder = Path(folder)
+    data = np.load(folder / "grams.npz")
+    effects = json.loads((folder / "effects.json").read_text())
+    corrections = [str(c) for c in data["corrections"]]
+    n = int(data["replicates"])
+    counts = bootstrap_counts(n, draws, seed)
+    out = {"meta": effects["meta"], "reference": _facts(effects["reference"]), "sources": {}}
+    for source, info in effects["sources"].items():
+        gram = data[source]
+        cells = {c: _blocks(gram, n, a + 1) for a, c in enumerate(corrections)}
+        rows = {}
+        for c, grams in cells.items():
+            est = cell_estimates(grams, counts)
+            changed, ess = np.array(info["effects"][c]).T
+            rows[c] = {k: v.as_dict() | {"mde": v.mde} for k, v in est.items()}
+            rows[c]["removed"] = removed_fraction(cells["off"], grams, counts).as_dict()
+            rows[c]["changed"] = mean_interval(changed).as_dict()
+            rows[c]["ess"] = mean_interval(ess).as_dict()
+        out["sources"][source] = {"label": effects["meta"]["sources"].get(source, source),
+                                  "facts": _facts(info["facts"]), "corrections": rows}
+    return out
+
+
+def _facts(rows: list[dict]) -> dict:
+    return {k: mean_interval(np.array([r[k] for r in rows], float)).as_dict() for k in rows[0]}
+
+
+def _fmt(e: dict, digits: int = 3) -> str:
+    if not np.isfinite(e["value"]):
+        return "n/a"
+    if not np.isfinite(e["low"]):
+        return f"{e['value']:.{digits}g}"
+    return f"{e['value']:.{digits}g} [{e['low']:.{digits}g}, {e['high']:.{digits}g}]"
+
+
+HEADER = ("correction", "rel. bias", "rel. bias^2 (MDE)", "cosine", "rel. variance", "rel. MSE", "bias removed",
+          "tokens changed", "ESS")
+
+
+def preamble(table: dict) -> str:
+    m = table["meta"]
+    return (f"Measured at trainer version {m['trainer_version']} ({m['warmup']} warm-up steps), {m['replicates']} "
+            f"replicate batches of {m['batch']['prompts']} x {m['batch']['group_size']} samples per source; loss "
+            f"{m['loss']} ({m['aggregation']}), advantage {m['advantage']}; gradients as count-sketches of dimension "
+            f"{m['sketch_dim']} (squared-norm distortion {100 * m['sketch_distortion']:.2f} %, one sd). Intervals: "
+            "95 % bootstrap over replicate batches (paired across corrections); MDE: the smallest relative bias^2 "
+            "detected with 80 % power.")
+
+
+def source_line(s: dict) -> str:
+    f = s["facts"]
+    return (f"k3 KL(mu || pi) {_fmt(f['k3'])} nats/token; mean reward {f['reward']['value']:.3f}; response length "
+            f"{f['length']['value']:.1f} tokens, {100 * f['truncated']['value']:.0f} % truncated; "
+            f"{f['sample_s']['value']:.1f} s sampling and {f['gradient_s']['value']:.1f} s gradients per replicate")
+
+
+def source_rows(s: dict) -> list[tuple[str, ...]]:
+    """One row of HEADER's columns per correction of a source."""
+    out = []
+    for c, r in s["corrections"].items():
+        b2 = r["rel_bias2"]
+        out.append((c, _fmt(r["rel_bias"]), f"{_fmt(b2)} ({b2['mde']:.2g})", _fmt(r["cosine"]), _fmt(r["rel_variance"]),
+                    _fmt(r["rel_mse"]), "-" if c == "off" else _fmt(r["removed"], 2), _fmt(r["changed"], 2),
+                    _fmt(r["ess"], 3)))
+    return out
+
+
+def markdown(table: dict) -> str:
+    """One table per source: relative bias, relative bias^2, cosine, relative variance, relative MSE, the share of
+    the uncorrected bias removed, tokens changed and ESS, each with its 95 % interval."""
+    lines = [preamble(table), ""]
+    for source, s in table["sources"].items():
+        lines += [f"### {source}: {s['label']}", "", source_line(s), "", "| " + " | ".join(HEADER) + " |",
+                  "|" + "---|" * len(HEADER)]
+        lines += ["| " + " | ".join(row) + " |" for row in source_rows(s)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def html_page(table: dict, png_b64: str) -> str:
+    """The self-contained page: the plot, then one table per source."""
+    import html
+
+    e = html.escape
+    parts = [f"<p>{e(preamble(table))}</p>", f"<img src='data:image/png;base64,{png_b64}' style='max-width:100%'>"]
+    for source, s in table["sources"].items():
+        head = "".join(f"<th>{e(h)}</th>" for h in HEADER)
+        body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in source_rows(s))
+        parts.append(f"<h2>{e(source)}: {e(s['label'])}</h2><p>{e(source_line(s))}</p>"
+                     f"<table><tr>{head}</tr>{body}</table>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>nearpolicy gradbias</title><style>"
+            "body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;color:#222}"
+            "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px}"
+            "tr:nth-child(even){background:#f6f6f6}</style></head><body><h1>Gradient bias of the corrections</h1>"
+            + "".join(parts) + "</body></html>")
+
+
+def figure(table: dict):
+    """Relative bias against relative variance, one point per correction (95 % interval bars), one panel per source."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = list(table["sources"])
+    cols = min(3, len(sources))
+    rows = -(-len(sources) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, source in zip(axes.flat, sources):
+        s = table["sources"][source]
+        for c, r in s["corrections"].items():
+            x, y = r["rel_variance"], r["rel_bias"]
+            if not np.isfinite(y["value"]):
+                continue
+            ax.errorbar(x["value"], y["value"], yerr=[[y["value"] - y["low"]], [y["high"] - y["value"]]],
+                        xerr=[[x["value"] - x["low"]], [x["high"] - x["value"]]], fmt="o", ms=4, capsize=2, lw=0.8)
+            ax.annotate(c, (x["value"], y["value"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_title(f"{source}: k3 {s['facts']['k3']['value']:.2g}", fontsize=9)
+        ax.set_xlabel("relative variance (one batch)", fontsize=8)
+        ax.set_ylabel("relative bias ||E g_c - g*|| / ||g*||", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(sources):]:
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def write_outputs(table: dict, folder: Path) -> None:
+    """gradbias.json, gradbias.md, gradbias.png and gradbias.html in `folder`."""
+    import base64
+
+    import matplotlib.pyplot as plt
+
+    from nearpolicy.files import atomic_path, write_atomically
+
+    folder = Path(folder)
+    write_atomically(folder / "gradbias.json", json.dumps(table, indent=1))
+    write_atomically(folder / "gradbias.md", markdown(table) + "\n")
+    fig = figure(table)
+    with atomic_path(folder / "gradbias.png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    png = base64.b64encode((folder / "gradbias.png").read_bytes()).decode()
+    write_atomically(folder / "gradbias.html", html_page(table, png))
