@@ -13,7 +13,7 @@ sample covariance (N - 1 denominator) and bars the means over n:
   variance          = tr S_Y  (one batch's mean squared distance from E Y);  MSE = bias^2 + variance
 
 Relative figures divide by ||g*||^2 (rel_bias = sqrt(max(bias^2, 0)) / ||g*||). Confidence intervals: percentile
-bootstrap over the replicate index n (pairs resampled together, all cells of a source with the same draws, so a
+bootstrap over the replicate index n, centred on the point estimate (`interval`; pairs resampled together, all cells of a source with the same draws, so a
 difference between two corrections is a paired one). Sources: the plug-in U-statistic debiasing of a squared norm
 is standard (e.g. Efron & Tibshirani 1993 ch. 10 on bias correction); the noise term tr S / N is the variance of a
 mean of N independent replicates."""
@@ -110,12 +110,16 @@ class Estimate:
 
 
 def interval(value: float, draws: np.ndarray) -> Estimate:
-    """Estimate of `value` from its bootstrap draws [B] (NaN draws dropped; all-NaN gives a NaN interval)."""
+    """Estimate of `value` from its bootstrap draws [B] (NaN draws dropped; fewer than 2 give a NaN interval): the
+    95 % percentile interval of the draws moved so that their median sits on `value`. The move matters here: a
+    resample repeats replicates, so the noise terms tr S / N that the debiased statistics subtract are not those of
+    the draws' own replicates, and the plain percentile interval centres on the plug-in value instead (a bias of
+    the order of tr Var / N; tests/test_gradbias.py shows it)."""
     finite = draws[np.isfinite(draws)]
-    if finite.size < 2:
+    if finite.size < 2 or not np.isfinite(value):
         return Estimate(value, float("nan"), float("nan"), float("nan"))
-    low, high = np.quantile(finite, [0.025, 0.975])
-    return Estimate(value, float(low), float(high), float(finite.std(ddof=1)))
+    low, mid, high = np.quantile(finite, [0.025, 0.5, 0.975])
+    return Estimate(value, float(value + low - mid), float(value + high - mid), float(finite.std(ddof=1)))
 
 
 def cell_estimates(grams: Grams, counts: np.ndarray) -> dict[str, Estimate]:
@@ -123,19 +127,46 @@ def cell_estimates(grams: Grams, counts: np.ndarray) -> dict[str, Estimate]:
     [B, N] (bootstrap_counts)."""
     point = point_statistics(grams)
     draws = [point_statistics(grams, c) for c in counts]
-    return {k: interval(point[k], np.array([d[k] for d in draws])) for k in STATISTICS}
+    out = {k: interval(point[k], np.array([d[k] for d in draws])) for k in STATISTICS}
+    out["rel_bias"] = root(out["rel_bias2"])  # the norm's interval from its square's (which may reach below 0)
+    cos = out["cosine"]
+    out["cosine"] = Estimate(cos.value, max(cos.low, -1.0), min(cos.high, 1.0), cos.sd)
+    return out
 
 
-def removed_fraction(base: Grams, other: Grams, counts: np.ndarray) -> Estimate:
-    """1 - rel_bias(other) / rel_bias(base): the share of `base`'s bias (e.g. no correction) that `other` (a
-    correction, on the same batches) removes, with a paired bootstrap interval over `counts` [B, N]. NaN where
-    base's bias estimate is <= 0."""
+def bias2_change(base: Grams, other: Grams, counts: np.ndarray) -> Estimate:
+    """rel_bias2(other) - rel_bias2(base) for two corrections on the same batches against the same reference (e.g.
+    base = no correction): below 0 when `other` lands closer to g*. Paired: the reference's noise and the batches'
+    shared noise cancel in the difference, so its interval is far tighter than either bias^2's. Bootstrap interval
+    over `counts` [B, N]."""
 
-    def share(c: np.ndarray | None) -> float:
-        b, o = point_statistics(base, c)["bias2"], point_statistics(other, c)["bias2"]
-        return 1 - math.sqrt(max(o, 0.0) / b) if b > 0 else float("nan")
+    def value(c: np.ndarray | None) -> float:
+        return point_statistics(other, c)["rel_bias2"] - point_statistics(base, c)["rel_bias2"]
 
-    return interval(share(None), np.array([share(c) for c in counts]))
+    return interval(value(None), np.array([value(c) for c in counts]))
+
+
+def root(e: Estimate) -> Estimate:
+    """sqrt of a squared quantity's Estimate, bounds included (negative parts read as 0): the interval of a norm
+    from the interval of its debiased square."""
+    f = lambda v: math.sqrt(max(v, 0.0)) if np.isfinite(v) else float("nan")  # noqa: E731
+    sd = e.sd / (2 * f(e.value)) if f(e.value) > 0 else float("nan")
+    return Estimate(f(e.value), f(e.low), f(e.high), sd)
+
+
+def relative_shift(ref_xx: np.ndarray, base: Grams, counts: np.ndarray) -> Estimate:
+    """||E Y - E X|| / ||g*|| for two corrections on the same batches: `base` holds X = the baseline correction's
+    sketches (base.xx) and Y = the other's (base.yy, base.yx = <Y_i, X_j>); ref_xx [N, N] the reference's Gram
+    (||g*||^2). Paired over the same batches, so the batch noise they share cancels: this is how far the
+    correction moves the expected gradient, an upper bound on the bias it can remove (triangle inequality). The
+    interval is the root of the squared shift's bootstrap interval over `counts` [B, N]."""
+
+    def value(c: np.ndarray | None) -> float:
+        cc = np.ones(ref_xx.shape[0]) if c is None else c
+        ref, _ = _debiased(ref_xx, cc)
+        return point_statistics(base, c)["bias2"] / ref if ref > 0 else float("nan")
+
+    return root(interval(value(None), np.array([value(c) for c in counts])))
 
 
 def mean_interval(values: np.ndarray) -> Estimate:

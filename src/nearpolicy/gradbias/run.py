@@ -87,7 +87,7 @@ def _check_config(cfg: Config) -> None:
 
 def _warm_session(cfg: Config, warm: Config, settings: GradbiasSettings, log):
     """(session at the measured weights, the warm-up's starting state dict or None, the trainer's version, the
-    warm-up's final eval accuracy or None)."""
+    warm-up's last eval or None)."""
     from nearpolicy.model.load import load_model_weights
     from nearpolicy.runs.export import ExportError, find_checkpoint
     from nearpolicy.signals import StopRequested
@@ -131,11 +131,12 @@ class _StopAfter:
         return signal.SIGINT if self.trainer.state.step >= self.steps else None
 
 
-def _last_accuracy(run_dir: Path) -> float | None:
+def _last_accuracy(run_dir: Path) -> dict | None:
+    """The warm-up's last eval: {"step", "accuracy"}, or None."""
     from nearpolicy.runs.folder import read_metrics
 
     rows = [r for r in read_metrics(run_dir).rows if r.get("eval/accuracy") is not None]
-    return float(rows[-1]["eval/accuracy"]) if rows else None
+    return {"step": rows[-1]["step"], "accuracy": float(rows[-1]["eval/accuracy"])} if rows else None
 
 
 def _open_engine(spec: SourceSpec, cfg: Config, session, version: int, start: dict | None, folder: Path):
@@ -163,7 +164,7 @@ def _open_engine(spec: SourceSpec, cfg: Config, session, version: int, start: di
                                               probe_prompt=session.prompt_ids(session.task.train_problem(0))))
 
 
-def _sample(engine, session, cfg: Config, scorer, n: int, seed: int, base: int, sampling) -> SampledBatch:
+def _sample(engine, session, cfg: Config, scorer, n: int, seed: int, base: int, sampling, log=print) -> SampledBatch:
     """Replicate n's batch from `engine`: the groups of training problems base + n P + j (j < P), sampled with
     `seed`, scored and turned into advantages as a training step does."""
     from nearpolicy.batching import collate
@@ -177,7 +178,7 @@ def _sample(engine, session, cfg: Config, scorer, n: int, seed: int, base: int, 
     requests = [GenerationRequest(gid, tuple(session.prompt_ids(p)), a.group_size) for gid, p in problems.items()]
     rollouts = engine.generate(requests, sampling, seed)
     results = score_texts(scorer, session.tokenizer, [r.response_ids() for r in rollouts],
-                          [problems[r.group_id] for r in rollouts], f"gradbias replicate {n}")
+                          [problems[r.group_id] for r in rollouts], f"gradbias replicate {n}", log)
     for r, result in zip(rollouts, results):
         r.reward = result.reward
     batch = collate(rollouts, session.pad_id, session.vocab_size, cfg.algorithm.shared_prompt)
@@ -243,7 +244,7 @@ def run_gradbias(config: Path | None, sets: list[str], settings: GradbiasSetting
                 engines[key] = _open_engine(spec, cfg, session, version, start, settings.out / "engine")
             t0 = time.perf_counter()
             sampled = _sample(engines[key], session, cfg, scorer, n, replicate_seed(cfg.run.seed, name == REFERENCE, n),
-                              base, sampling)
+                              base, sampling, log)
             t1 = time.perf_counter()
             own = {"off": arms["off"]} if name == REFERENCE else arms
             result = batch_gradients(model, sketch, sampled, sampling, own, version, cfg.algorithm.micro_batch_size,
@@ -256,7 +257,7 @@ def run_gradbias(config: Path | None, sets: list[str], settings: GradbiasSetting
         for engine in engines.values():
             engine.close()
     meta = {"config": str(config) if config else None, "set": list(sets), **settings.identity(),
-            "replicates": settings.replicates, "trainer_version": version, "measured_eval_accuracy": accuracy,
+            "replicates": settings.replicates, "trainer_version": version, "warmup_last_eval": accuracy,
             "parameters": sketch.parameters, "sketch_distortion": sketch.distortion,
             "sources": {s.name: s.label for s in specs}, "batch": {"prompts": cfg.algorithm.prompts_per_step,
                                                                   "group_size": cfg.algorithm.group_size},

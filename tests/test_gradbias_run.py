@@ -1,0 +1,60 @@
+"""`nearpolicy gradbias` end to end on the tiny model (slow), and its refusals (fast)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nearpolicy.cli import main
+from nearpolicy.gradbias.run import GradbiasSettings, run_gradbias
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sources", "q9_9"], "unknown source 'q9_9'"),
+    (["--sources", "noise-1"], "noise<std> with std > 0"),
+    (["--sources", "stale", "--warmup", "0"], "the stale source needs --warmup >= 1"),
+    (["--corrections", "tis", "off"], "the first correction must be 'off'"),
+    (["--corrections", "off", "nope"], "unknown correction 'nope'"),
+    (["--replicates", "1"], "--replicates must be >= 2"),
+])
+def test_bad_settings_are_refused_before_anything_loads(args, message, capsys, tmp_path):
+    assert main(["gradbias", "--out", str(tmp_path / "g"), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
+
+
+def test_analyze_of_a_folder_without_a_measurement_says_so(capsys, tmp_path):
+    assert main(["gradbias", "--analyze", str(tmp_path)]) == 2
+    assert "grams.npz" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_measurement_runs_resumes_and_refuses_other_settings(tiny_model_dir, tmp_path):
+    from test_api import _setup  # the tiny model on a JSONL task with a reward that varies within a group
+
+    cfg = _setup(tmp_path, tiny_model_dir)
+    sets = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in {
+        "model.path": str(tiny_model_dir), "run.threads": 1, "engine.kind": "hf", "algorithm.prompts_per_step": 2,
+        "algorithm.group_size": 4, "algorithm.micro_batch_size": 4, "sampling.max_new_tokens": 6,
+        "model.max_context": 256, "task.kind": "jsonl", "task.path": str(cfg.task.path), "task.eval_size": 4,
+        "task.reward_function": cfg.task.reward_function, "logging.tensorboard": "false",
+        "logging.progress": "false"}.items()]
+    sets = [s.replace('"false"', "false") for s in sets]
+    out = tmp_path / "gradbias"
+    settings = GradbiasSettings(out, ("f32", "q8_0", "stale"), ("off", "tis", "seq_tis"), replicates=2, warmup=1,
+                                sketch_dim=4096, progress=False)
+    table = run_gradbias(None, sets, settings, log=lambda m: None)
+    assert set(table["sources"]) == {"f32", "q8_0", "stale"}
+    assert set(table["sources"]["q8_0"]["corrections"]) == {"off", "tis", "seq_tis"}
+    assert table["meta"]["trainer_version"] == 1 and table["meta"]["replicates"] == 2
+    for name in ("gradbias.json", "gradbias.md", "gradbias.png", "gradbias.html", "grams.npz", "effects.json"):
+        assert (out / name).stat().st_size > 0
+    stored = {p.name: p.stat().st_mtime_ns for p in (out / "replicates").iterdir()}
+    assert len(stored) == 2 * 4  # reference + 3 sources, 2 replicates
+    again = run_gradbias(None, sets, settings, log=lambda m: None)  # resumed: nothing sampled again
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "replicates").iterdir()} == stored
+    assert again["sources"]["q8_0"]["facts"]["k3"] == table["sources"]["q8_0"]["facts"]["k3"]
+    other = GradbiasSettings(out, ("f32",), ("off",), replicates=2, warmup=1, sketch_dim=4096, progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        run_gradbias(None, sets, other, log=lambda m: None)
