@@ -12,11 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nearpolicy.gradbias.estimate import (Grams, bias2_change, bootstrap_counts, cell_estimates, mean_interval,
-                                          relative_shift)
-
-BOOTSTRAP_DRAWS = 2000
-
+from nearpolicy.gradbias.estimate import Grams, bias2_change, cell_estimates, mean_interval, relative_shift
 
 def _blocks(gram: np.ndarray, n: int, arm: int) -> Grams:
     """The cell Grams of correction block `arm` (1-based; block 0 is the reference) of a stacked Gram matrix."""
@@ -24,7 +20,7 @@ def _blocks(gram: np.ndarray, n: int, arm: int) -> Grams:
     return Grams(gram[x, x], gram[y, y], gram[y, x])
 
 
-def analyze(folder: Path, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict:
+def analyze(folder: Path) -> dict:
     """Per source, per correction: the estimates of estimate.cell_estimates, the shift and the paired bias^2 change against "off", the
     mean changed fraction and ESS (batch-means intervals); per source the mismatch facts (k3, reward, length,
     truncated share, seconds); the measurement's meta. Raises FileNotFoundError when the files are missing."""
@@ -33,20 +29,19 @@ def analyze(folder: Path, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict:
     effects = json.loads((folder / "effects.json").read_text())
     corrections = [str(c) for c in data["corrections"]]
     n = int(data["replicates"])
-    counts = bootstrap_counts(n, draws, seed)
     out = {"meta": effects["meta"], "reference": _facts(effects["reference"]), "sources": {}}
     for source, info in effects["sources"].items():
         gram = data[source]
         cells = {c: _blocks(gram, n, a + 1) for a, c in enumerate(corrections)}
         rows = {}
         for c, grams in cells.items():
-            est = cell_estimates(grams, counts)
+            est = cell_estimates(grams)
             changed, ess = np.array(info["effects"][c]).T
             rows[c] = {k: v.as_dict() | {"mde": v.mde} for k, v in est.items()}
-            rows[c]["bias2_change"] = bias2_change(cells["off"], grams, counts).as_dict()
+            rows[c]["bias2_change"] = bias2_change(cells["off"], grams).as_dict()
             a, off = (a_ + 1 for a_ in (corrections.index(c), corrections.index("off")))
             y, x = slice(a * n, (a + 1) * n), slice(off * n, (off + 1) * n)
-            rows[c]["shift"] = relative_shift(gram[:n, :n], Grams(gram[x, x], gram[y, y], gram[y, x]), counts).as_dict()
+            rows[c]["shift"] = relative_shift(gram[:n, :n], Grams(gram[x, x], gram[y, y], gram[y, x])).as_dict()
             rows[c]["changed"] = mean_interval(changed).as_dict()
             rows[c]["ess"] = mean_interval(ess).as_dict()
         out["sources"][source] = {"label": effects["meta"]["sources"].get(source, source),
@@ -76,7 +71,8 @@ def preamble(table: dict) -> str:
             f"replicate batches of {m['batch']['prompts']} x {m['batch']['group_size']} samples per source; loss "
             f"{m['loss']} ({m['aggregation']}), advantage {m['advantage']}; gradients as count-sketches of dimension "
             f"{m['sketch_dim']} (squared-norm distortion {100 * m['sketch_distortion']:.2f} %, one sd). Intervals: "
-            "95 % bootstrap over replicate batches (paired across corrections); MDE: the smallest relative bias^2 "
+            "95 %, delete-one jackknife over replicate batches with t quantiles (paired across corrections); MDE: the "
+            "smallest relative bias^2 "
             "detected with 80 % power; shift vs off: ||E g_c - E g_off|| / ||g*||, paired on the same batches (how far the "
             "correction moves the expected gradient: an upper bound on the bias it can remove); rel. bias^2 - off's: paired, "
             "below 0 when the correction lands closer to g*.")
