@@ -115,7 +115,8 @@ def check_sections_agree(cfg) -> None:
                          f"use at most {kind.max_parallel}")
     if a.warmup_steps and a.warmup_steps >= cfg.run.steps:
         raise ValueError(f"algorithm.warmup_steps ({a.warmup_steps}) must be below run.steps ({cfg.run.steps}): the "
-                         "learning rate would never reach algorithm.lr")
+                         f"learning rate would never reach algorithm.lr (for a short run add --set "
+                         f"algorithm.warmup_steps={max(cfg.run.steps - 1, 0)})")
     if a.precision_alignment == "engine" and (not kind.alignable or e.flash_attention):
         raise ValueError("algorithm.precision_alignment = 'engine' emulates llama.cpp without flash attention: set "
                          "engine.kind = 'llamacpp' and engine.flash_attention = false, or precision_alignment = 'off'")

@@ -53,12 +53,13 @@ def add_gradbias_parser(sub) -> None:
                    "noise<std>, a GGUF precision)")
     g.add_argument("--corrections", nargs="+", default=list(DEFAULT_CORRECTIONS),
                    help=f"corrections, 'off' first (default: {' '.join(DEFAULT_CORRECTIONS)}; any preset of "
-                   "`nearpolicy list`, decoupled, a3po)")
+                   "`nearpolicy list`; decoupled = areal_cap; a3po = token_is with correction.proximal = a3po)")
     g.add_argument("--replicates", type=int, default=24, help="replicate batches per source (default 24)")
     g.add_argument("--warmup", type=int, default=4, help="training steps before the measured weights (default 4)")
     g.add_argument("--sketch-dim", type=int, default=DEFAULT_DIM,
                    help=f"count-sketch dimension of a stored gradient (default {DEFAULT_DIM}; 0: full gradient)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--analyze", type=Path, metavar="FOLDER",
-                   help="re-table a stored measurement (its grams.npz and effects.json) without sampling")
+                   help="re-table a stored measurement (its grams.npz and effects.json) without sampling; rewrites "
+                   "gradbias.json, .md, .png and .html in FOLDER")
     g.set_defaults(func=_gradbias)

@@ -314,4 +314,4 @@ def collect_grams(folder: Path, settings: GradbiasSettings, meta: dict, out: Pat
     with atomic_path(out / "grams.npz") as tmp:
         with open(tmp, "wb") as f:
             np.savez_compressed(f, corrections=np.array(settings.corrections), replicates=n, **grams)
-    write_atomically(out / "effects.json", json.dumps(effects, indent=1))
+    write_atomically(out / "effects.json", json.dumps(effects, indent=1).replace("NaN", "null"))

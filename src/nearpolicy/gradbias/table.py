@@ -75,7 +75,10 @@ def preamble(table: dict) -> str:
             "smallest relative bias^2 "
             "detected with 80 % power; shift vs off: ||E g_c - E g_off|| / ||g*||, paired on the same batches (how far the "
             "correction moves the expected gradient: an upper bound on the bias it can remove); rel. bias^2 - off's: paired, "
-            "below 0 when the correction lands closer to g*.")
+            "below 0 when the correction lands closer to g*; rel. bias is the root of rel. bias^2, 0 where that is "
+            "below 0; tokens changed: the share of tokens whose loss coefficient differs from off's by over 1e-6 "
+            "relative (any IS weight not exactly 1 counts); n/a or a bare value: the estimate or its interval is "
+            "undefined (a zero gradient, or a statistic constant over the replicates).")
 
 
 def source_line(s: dict) -> str:
@@ -157,6 +160,15 @@ def figure(table: dict):
     return fig
 
 
+def _strict(value):
+    """`value` with every non-finite float as None (JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return None if isinstance(value, float) and not np.isfinite(value) else value
+
+
 def write_outputs(table: dict, folder: Path) -> None:
     """gradbias.json, gradbias.md, gradbias.png and gradbias.html in `folder`."""
     import base64
@@ -166,7 +178,7 @@ def write_outputs(table: dict, folder: Path) -> None:
     from nearpolicy.files import atomic_path, write_atomically
 
     folder = Path(folder)
-    write_atomically(folder / "gradbias.json", json.dumps(table, indent=1))
+    write_atomically(folder / "gradbias.json", json.dumps(_strict(table), indent=1))  # NaN as null: strict JSON
     write_atomically(folder / "gradbias.md", markdown(table) + "\n")
     fig = figure(table)
     with atomic_path(folder / "gradbias.png") as tmp:
