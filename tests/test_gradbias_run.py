@@ -16,7 +16,8 @@ from nearpolicy.gradbias.run import GradbiasSettings, run_gradbias
     (["--sources", "stale", "--warmup", "0"], "the stale source needs --warmup >= 1"),
     (["--corrections", "tis", "off"], "the first correction must be 'off'"),
     (["--corrections", "off", "nope"], "unknown correction 'nope'"),
-    (["--replicates", "1"], "--replicates must be >= 2"),
+    (["--replicates", "2"], "--replicates must be >= 3"),
+    (["--sketch-dim", "-5"], "--sketch-dim must be >= 1"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(args, message, capsys, tmp_path):
     assert main(["gradbias", "--out", str(tmp_path / "g"), *args]) == 2
@@ -42,19 +43,21 @@ def test_a_measurement_runs_resumes_and_refuses_other_settings(tiny_model_dir, t
         "logging.progress": "false"}.items()]
     sets = [s.replace('"false"', "false") for s in sets]
     out = tmp_path / "gradbias"
-    settings = GradbiasSettings(out, ("f32", "q8_0", "stale"), ("off", "tis", "seq_tis"), replicates=2, warmup=1,
+    settings = GradbiasSettings(out, ("f32", "q8_0", "stale"), ("off", "tis", "seq_tis"), replicates=3, warmup=1,
                                 sketch_dim=4096, progress=False)
     table = run_gradbias(None, sets, settings, log=lambda m: None)
     assert set(table["sources"]) == {"f32", "q8_0", "stale"}
     assert set(table["sources"]["q8_0"]["corrections"]) == {"off", "tis", "seq_tis"}
-    assert table["meta"]["trainer_version"] == 1 and table["meta"]["replicates"] == 2
+    assert table["meta"]["trainer_version"] == 1 and table["meta"]["replicates"] == 3
     for name in ("gradbias.json", "gradbias.md", "gradbias.png", "gradbias.html", "grams.npz", "effects.json"):
         assert (out / name).stat().st_size > 0
     stored = {p.name: p.stat().st_mtime_ns for p in (out / "replicates").iterdir()}
-    assert len(stored) == 2 * 4  # reference + 3 sources, 2 replicates
+    assert len(stored) == 3 * 4  # reference + 3 sources, 3 replicates
     again = run_gradbias(None, sets, settings, log=lambda m: None)  # resumed: nothing sampled again
     assert {p.name: p.stat().st_mtime_ns for p in (out / "replicates").iterdir()} == stored
     assert again["sources"]["q8_0"]["facts"]["k3"] == table["sources"]["q8_0"]["facts"]["k3"]
-    other = GradbiasSettings(out, ("f32",), ("off",), replicates=2, warmup=1, sketch_dim=4096, progress=False)
+    other = GradbiasSettings(out, ("f32",), ("off",), replicates=3, warmup=1, sketch_dim=4096, progress=False)
     with pytest.raises(ValueError, match="other settings"):
         run_gradbias(None, sets, other, log=lambda m: None)
+    with pytest.raises(ValueError, match="other settings"):  # the same names on another config: refused too
+        run_gradbias(None, [*sets, "algorithm.group_size=2"], settings, log=lambda m: None)

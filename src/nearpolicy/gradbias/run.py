@@ -42,8 +42,11 @@ class GradbiasSettings:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.replicates < 2:
-            raise ValueError(f"--replicates must be >= 2 (the variance needs two batches), got {self.replicates}")
+        if self.replicates < 3:
+            raise ValueError(f"--replicates must be >= 3 (the jackknife leaves one out of at least two), got "
+                             f"{self.replicates}")
+        if self.sketch_dim is not None and self.sketch_dim < 1:
+            raise ValueError(f"--sketch-dim must be >= 1 (0: the full gradient), got {self.sketch_dim}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.corrections or self.corrections[0] != "off":
@@ -69,8 +72,10 @@ def arm_settings(config: Path | None, sets: list[str], corrections: tuple[str, .
     from nearpolicy.training.trainer import update_settings
 
     arms = {}
+    own_proximal = any(s.split("=")[0].strip() == "correction.proximal" for s in sets)
     for name in corrections:
-        settings = update_settings(load_config(config, [*sets, *correction_overrides(name)]))
+        overrides = [o for o in correction_overrides(name) if not (own_proximal and o == "correction.proximal=old")]
+        settings = update_settings(load_config(config, [*sets, *overrides]))
         why = unsupported(settings)
         if why is not None:
             raise ValueError(f"correction {name!r}: gradbias cannot measure {why}")
@@ -218,7 +223,12 @@ def run_gradbias(config: Path | None, sets: list[str], settings: GradbiasSetting
     _check_config(cfg)
     arms = arm_settings(config, sets, settings.corrections)
     specs = [parse_source(s) for s in settings.sources]
-    _check_folder(settings.out, settings.identity())
+    import hashlib
+
+    measured = cfg.model_dump(mode="json")
+    measured["run"].pop("output_dir", None)
+    _check_folder(settings.out, settings.identity() | {"config_sha256": hashlib.sha256(
+        json.dumps(measured, sort_keys=True, default=str).encode()).hexdigest()})
     k = settings.warmup
     warm = load_config(config, [*sets, f"run.output_dir={settings.out}", "run.name=warmup"])
     session, start, version, accuracy = _warm_session(cfg, warm, settings, log)
