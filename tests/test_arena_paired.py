@@ -169,14 +169,7 @@ def test_comparisons_are_corrections_against_the_baseline_and_sources_against_th
     assert found[0].statement() == "off: noise vs q4, final accuracy: not established: 2 seeds; at least 3 needed"
 
 
-BASE = """
-[run]
-steps = 2
-[task]
-eval_size = 4
-[logging]
-eval_every = 1
-"""
+from test_arena import BASE  # noqa: E402  (the same two-step base config as the arena tests)
 
 ARENA = """
 [arena]
