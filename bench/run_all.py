@@ -257,7 +257,7 @@ def main() -> None:
         res = json.loads(args.render.read_text())
         md = args.render.with_suffix(".md")
         md.write_text(render_markdown(res, res["derived"], res.get("command", "make bench"),
-                                      notes(res, res["derived"]) + vllm_section(), raw=str(args.render)))
+                                      notes(res, res["derived"]) + kept_sections(), raw=str(args.render)))
         print(f"wrote {md}")
         return
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -274,7 +274,7 @@ def main() -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(render_markdown(res, d, command, notes(res, d) + vllm_section(),
+    args.out.with_suffix(".md").write_text(render_markdown(res, d, command, notes(res, d) + kept_sections(),
                                                            raw=_shown(args.out.with_suffix(".json"))))
     print(f"wrote {args.out.with_suffix('.md')} and .json in {res['harness_wall_s']:.0f} s")
     for f in h.failures:
@@ -282,11 +282,15 @@ def main() -> None:
     sys.exit(1 if h.failures else 0)
 
 
-def vllm_section() -> str:
-    """The vLLM rollout rows (bench/vllm_rollouts.py, measured separately: it needs .venv-vllm), kept in
-    docs/benchmarks.md across `make bench` runs; "" when never measured."""
-    path = ROOT / "docs/bench/vllm_rollouts.md"
-    return "\n\n" + path.read_text() if path.is_file() else ""
+KEPT_SECTIONS = ("vllm_rollouts.md", "aligned_cost.md")
+"""Sections measured apart from `make bench` (bench/vllm_rollouts.py needs .venv-vllm; bench/aligned_cost.py), kept
+in docs/bench/ and appended to docs/benchmarks.md at every render, so that a regeneration never drops figures other
+pages cite (docs/aligned.md and the README cite the aligned trainer's cost)."""
+
+
+def kept_sections(folder: Path = ROOT / "docs/bench") -> str:
+    """The KEPT_SECTIONS found in `folder`, each after a blank line, in that order; "" when none is there."""
+    return "".join("\n\n" + (folder / name).read_text() for name in KEPT_SECTIONS if (folder / name).is_file())
 
 
 if __name__ == "__main__":

@@ -158,3 +158,44 @@ def test_runs_table_keeps_each_k3_third_in_its_column(tmp_path):
     summary = runs_table.summarize(tmp_path)
     assert summary["k3_thirds"] == [None, 0.1, 0.2] and summary["k3_last"] == 0.2
     assert "| - / 0.1 / 0.2 | 0.2 |" in runs_table.markdown([summary])
+
+
+def test_a_regenerated_page_keeps_the_sections_measured_apart(tmp_path):
+    """Issue 38 item 12: `make bench` rewrote docs/benchmarks.md and the aligned trainer's cost (1.47x / 1.61x),
+    which docs/aligned.md and the README cite, was gone. The sections measured apart from the harness live in
+    docs/bench/ and are appended at every render: re-rendering the committed page from its JSON keeps them."""
+    import shutil
+    import subprocess
+
+    import run_all
+
+    root = Path(__file__).resolve().parent.parent
+    for name in run_all.KEPT_SECTIONS:
+        (tmp_path / name).write_text(f"## {name}\n")
+    assert run_all.kept_sections(tmp_path) == "\n\n## vllm_rollouts.md\n\n\n## aligned_cost.md\n"
+    assert run_all.kept_sections(tmp_path / "none") == ""
+    shutil.copy(root / "docs/benchmarks.json", tmp_path / "benchmarks.json")
+    subprocess.run([sys.executable, str(root / "bench/run_all.py"), "--render", str(tmp_path / "benchmarks.json")],
+                   check=True, capture_output=True)
+    regenerated, committed = (tmp_path / "benchmarks.md").read_text(), (root / "docs/benchmarks.md").read_text()
+    for page in (regenerated, committed):
+        assert "| aligned to q8_0 | 7.79 | 1.47x |" in page
+        assert "| aligned to q4_1 (embeddings q8_0) | 8.58 | 1.61x |" in page
+        for name in run_all.KEPT_SECTIONS:
+            assert (root / "docs/bench" / name).read_text() in page
+    for citing in ("docs/aligned.md", "README.md"):
+        assert "1.47x" in (root / citing).read_text() and "1.61x" in (root / citing).read_text()
+
+
+def test_the_arena_figures_file_is_what_the_script_prints_from_the_committed_cells():
+    """Issue 38 item 11: docs/arena.md's trainer-wait and per-cell minute ranges did not match the cells' data.
+    The figures its prose cites are printed by bench/arena_figures.py from docs/arena-runs/*.tar.gz, and the committed
+    output beside the tarballs is that output (rerun the script after changing either)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    printed = subprocess.run([sys.executable, str(root / "bench/arena_figures.py")], check=True, capture_output=True,
+                             text=True).stdout
+    assert printed == (root / "docs/arena-runs/figures.txt").read_text()
+    assert "trainer wait at step 1 17-39 s, then 34-99 s at 12 steps" in printed  # eta = 4 (the page said 54-63 s)
+    assert "arena-mc-grpo: machine time 7021 s (1.95 h); 18 of 18 cells done, 4.2-10.3 min each" in printed

@@ -59,7 +59,8 @@ def test_two_step_run_then_resume(tiny_gguf_factory, tmp_path):
             4 * (row["response/length_mean"] - 1), rel=1e-12)
         assert row["rollout/decode_occupancy"] == pytest.approx(row["rollout/decode_batch_mean"] / 64, rel=1e-12)
     assert (run / "checkpoints" / "step_000002" / "model.safetensors").exists()
-    assert json.loads((run / "plan.json").read_text())["samples_per_step"] == 4
+    plan = json.loads((run / "plan.json").read_text())  # working_dir: where relative paths are read on --resume RUN_DIR
+    assert plan["samples_per_step"] == 4 and plan["working_dir"] == str(tmp_path.resolve())
     assert json.loads((run / "config.json").read_text())["engine"]["precision"] == "q8_0"
     assert any((run / "tensorboard").iterdir())
 

@@ -44,6 +44,8 @@ def test_f32_admitted_near_zero_and_perturbed_engine_rejected(tiny_model_dir, tm
     report, code = run_diagnosis(_cfg(tiny_model_dir), settings, log=lambda msg: None)
     f32, noisy = report["candidates"]
     assert f32["k3"] < 1e-9 and f32["abs_logprob_diff_max"] < 5e-5 and f32["ess"] > 0.999999 and f32["admitted"]
+    assert abs(f32["seq_log_ppl_diff"]) < 5e-6  # the per-sequence family too
+    assert f32["seq_training_ppl"] == pytest.approx(f32["seq_rollout_ppl"], rel=1e-5)
     assert report["budget"]["k3"] == pytest.approx(math.log(2) / 16)  # default rule at 8 new tokens
     assert noisy["k3"] > report["budget"]["k3"] and not noisy["admitted"]
     # the aligned column: nothing to align at f32 with an f32 KV cache; the f16-weight trainer stays far off the noise
@@ -129,7 +131,9 @@ def _report(budget, *candidates):
     def row(name, k3, ok):
         return {"candidate": name, "weights": "w", "k1": k3, "k3": k3, "k3_se": 1e-9, "chi2": 2 * k3, "ess": 0.99,
                 "seq_ess": 0.5, "abs_logprob_diff_p99": 0.1, "abs_logprob_diff_max": 0.2,
-                "frac_ratio_outside_0.5_2": 0.0, "admitted": ok}
+                "frac_ratio_outside_0.5_2": 0.0, "admitted": ok, "seq_training_ppl": 1.5, "seq_rollout_ppl": 1.4,
+                "seq_log_ppl_diff": 4 * k3, "seq_log_ppl_abs_diff": 5 * k3, "seq_log_ppl_diff_min": -k3,
+                "seq_log_ppl_diff_max": 9 * k3, "seq_ppl_ratio": 1.07, "seq_chi2": 0.3, "seq_empty_count": 0.0}
 
     return {"budget": asdict(budget), "floor": row("floor: llamacpp:f32,kv_cache=f32", 1e-10, None),
             "candidates": [row(*c) for c in candidates], "recipes": []}
@@ -151,6 +155,7 @@ def test_cli_writes_the_table_and_verdicts_to_stdout_and_logs_to_stderr(tmp_path
     assert out.startswith("budget: sequence ESS >= 0.5 at 64 tokens") and "| llamacpp:q4_1 | w | 0.0126" in out
     assert "- llamacpp:q4_1 rejected: sequence ESS at 64 tokens 0.2 < 0.5 (exp(-2 x 64 x k3)" in out
     assert "- llamacpp:f16 admitted: sequence ESS at 64 tokens 0.987 >= 0.5" in out
+    assert "| llamacpp:q4_1 | 1.5 | 1.4 | 0.0503 | 0.0629 | -0.0126 / 0.113 | 1.07 | 0.3 | 0 |" in out  # per sequence
     assert out.endswith("\n1 of 2 candidate(s) rejected\n")
     assert err == f"measuring (a log line)\nwrote {tmp_path / 'd' / 'diagnose.json'}, .csv and position.png\n"
 
@@ -198,6 +203,7 @@ def test_cli_exit_codes_and_outputs(tiny_model_dir, tmp_path):
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "every candidate admitted" in ok.stdout and "| hf:fp32 | fp32 |" in ok.stdout  # the table: stdout
     assert "- hf:fp32 admitted: k3 " in ok.stdout and "| hf:fp32 |" not in ok.stderr
+    assert "| candidate | trainer PPL | engine PPL | log-PPL diff d |" in ok.stdout
     report = json.loads((tmp_path / "ok" / "diagnose.json").read_text())
     assert report["budget"]["rule"].startswith("absolute") and report["candidates"][0]["k3"] < 1e-9
 

@@ -33,7 +33,9 @@ def _fake_rows() -> list[dict]:
                      "mismatch/ess": 0.99, "actor/pg_clipfrac": 0.01, "correction/frac_high": 0.0,
                      "mismatch/frac_ratio_outside_0.5_2": 0.0, "time/rollout": 2.0, "time/update": 3.0,
                      "time/step": 6.0, "throughput/rollout_tokens_per_s": 100.0 + step,
-                     "entropy": None if step == 2 else 1.5, "response/length_mean": 30.0})
+                     "entropy": None if step == 2 else 1.5, "response/length_mean": 30.0,
+                     "mismatch/seq_log_ppl_diff": 0.01 * step, "mismatch/seq_log_ppl_abs_diff": 0.02 * step,
+                     "mismatch/seq_log_ppl_diff_min": -0.03, "mismatch/seq_log_ppl_diff_max": 0.05})
     rows[-1] |= {"eval/accuracy": 0.5, "time/eval": 1.0}
     return rows
 
@@ -113,6 +115,17 @@ def test_panel_without_drawable_values_is_still_an_image(title: str, key: str, v
     assert Image.open(io.BytesIO(png)).size == (800, 340)
 
 
+def test_log_perplexity_panel_draws_the_four_per_sequence_lines():
+    panel = next(panel for panel in PANELS if panel.title == "Log-perplexity difference per sequence")
+    run = Run("r", _fake_rows())
+    assert [(series.label, key) for series, key in panel.lines(run)] == [
+        ("mean", "mismatch/seq_log_ppl_diff"), ("mean |d|", "mismatch/seq_log_ppl_abs_diff"),
+        ("min", "mismatch/seq_log_ppl_diff_min"), ("max", "mismatch/seq_log_ppl_diff_max")]
+    steps, values = run.series("mismatch/seq_log_ppl_diff")
+    assert steps == [1, 2, 3] and values == pytest.approx([0.01, 0.02, 0.03], abs=1e-15)
+    assert len(panel_figure(panel, [run]).axes[0].lines) == 4
+
+
 def test_lag_components_and_staleness_are_drawn_when_recorded(tmp_path: Path):
     rows = [{"step": s, "mismatch/k3": 1.0, "mismatch/discrepancy_k3": 0.001 * s, "mismatch/lag_k3": 0.01,
              "mismatch/total_k3": 0.011, "mismatch/discrepancy_ess": 0.99, "mismatch/lag_ess": 0.9,
@@ -141,7 +154,8 @@ def test_main_job_report_from_metrics_alone(main_job_run: Path):
     for cell in ("<td>unknown (no config.json)</td>", "<td>not recorded</td>", "<td>30</td>",
                  "<td>0.492 (step 30)</td>", "<td>0.695 (step 20)</td>", f"<td>{median_k3:.3g} nats</td>"):
         assert cell in page
-    assert len(_images(page)) == len(PANELS) - 1  # all but staleness
+    assert len(_images(page)) == len(PANELS) - 2  # all but staleness and the per-sequence panel (not logged then)
+    assert "not recorded in this run (a run older than these metrics" in _sections(page)["Log-perplexity difference per sequence"]
 
 
 def test_compare_overlays_runs_and_names_what_one_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -217,7 +231,7 @@ def test_report_opens_in_headless_chromium_with_every_image_loaded(main_job_run:
             screenshot = page.screenshot(full_page=True)
         finally:
             browser.close()
-    assert loaded == [True] * (len(PANELS) - 1)
+    assert loaded == [True] * (len(PANELS) - 2)  # the main job's metrics predate the per-sequence panel
     image = Image.open(io.BytesIO(screenshot))
     assert page_width <= 1400  # nothing wider than the window
     assert image.format == "PNG" and image.width == 1400 and image.height > 800

@@ -196,6 +196,53 @@ def test_a_relative_task_path_is_read_from_where_the_run_started_on_resume_run_d
         stored_config(run)
 
 
+def test_relative_model_teacher_and_reward_paths_are_read_from_where_the_run_started_on_resume_run_dir(tmp_path,
+                                                                                                    monkeypatch):
+    """Issue 38, item 7's leftover: `--resume RUN_DIR` from another folder read a relative model.path, distill.teacher
+    and task.reward_function file from the current folder (there: missing, or another file of the same name).
+    plan.json records the folder the run started in (working_dir); the resume reads each path from there, and the
+    config counts as unchanged. The shipped model's name and a module name are not paths and stay as they are."""
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    for folder in (started, elsewhere):  # the same names in both folders, different files
+        (folder / "teacher").mkdir(parents=True)
+        (folder / "teacher" / "config.json").write_text(json.dumps({"from": folder.name}))
+        (folder / "policy.gguf").write_text(folder.name)
+        (folder / "rewards.py").write_text(f"# {folder.name}\ndef reward(completion, **kwargs):\n    return 0.0\n")
+    monkeypatch.chdir(started)
+    sets = ("model.path='policy.gguf'", "distill.teacher='teacher'", "task.reward_function='rewards.py:reward'")
+    cfg = _cfg(tmp_path / "runs", *sets)
+    run = _folder(cfg, logged=[0, 1], checkpoints=[1])
+    write_json(run / "plan.json", {"working_dir": str(started)})  # what the trainer records at the start
+    monkeypatch.chdir(elsewhere)
+    got = stored_config(run)
+    assert (got.model.path, got.distill.teacher, got.task.reward_function) == (
+        str(started / "policy.gguf"), str(started / "teacher"), f"{started / 'rewards.py'}:reward")
+    assert check_run_folder(got, resume=True).said == f"resumes {run} from step_000001: steps 2 to {cfg.run.steps}"
+    moved = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(elsewhere / "policy.gguf")})})
+    with pytest.raises(RunExistsError, match=r"differs from .*config\.json in: model\.path \(only"):
+        check_run_folder(moved, resume=True)  # another file of the same name is another model
+    monkeypatch.chdir(started)  # `train CONFIG --resume` from where it started: the relative paths, the same files
+    assert check_run_folder(cfg, resume=True).said.startswith(f"resumes {run}")
+
+    names = _cfg(tmp_path / "names", "distill.teacher='smollm2'", "task.reward_function='rewards:reward'")
+    named = _folder(names)
+    (started / "smollm2").write_text("not the shipped model")
+    write_json(named / "plan.json", {"working_dir": str(started)})
+    got = stored_config(named)  # "smollm2" and a module are names, even where a file of that name exists
+    assert (got.model.path, got.distill.teacher, got.task.reward_function) == ("smollm2", "smollm2", "rewards:reward")
+
+    (run / "plan.json").unlink()  # a run from before the record, resumed from a folder without the file
+    (elsewhere / "policy.gguf").unlink()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ConfigError, match=rf"model.path policy.gguf of .*config.json is relative and is read from the "
+                                          rf"current folder {elsewhere}, where it does not exist"):
+        stored_config(run)
+    write_json(run / "plan.json", {"working_dir": str(tmp_path / "gone")})  # recorded, but the file has moved
+    with pytest.raises(ConfigError, match=r"model.path policy.gguf of .*is relative and is neither at .*gone/policy.gguf "
+                                          r"\(where the run started\) nor in the current folder"):
+        stored_config(run)
+
+
 @pytest.mark.slow  # two short training runs through the real CLI
 def test_plain_retry_after_an_interrupted_start_then_resume_by_run_dir_through_the_cli(tiny_gguf_factory, tmp_path):
     from test_cli import _base, _metrics, _train

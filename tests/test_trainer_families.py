@@ -42,9 +42,11 @@ class LengthParityTask:
         return getattr(self.task, name)
 
 
-def _run(model_dir: Path, out: Path, name: str, *sets: str, shift: float = -0.3, noise: float = 0.0, steps: int = 2):
+def _run(model_dir: Path, out: Path, name: str, *sets: str, shift: float = -0.3, noise: float = 0.0, steps: int = 2,
+         per_sequence: bool = False):
     """`steps` train steps of a Trainer on the tiny model whose engine reports log-probs offset by shift + noise z;
-    returns (metrics per step, the offsets of each step's tokens)."""
+    returns (metrics per step, the offsets of each step's tokens: one array, or one per sequence with
+    `per_sequence`)."""
     from nearpolicy.training import assemble as setup
     from nearpolicy.training.trainer import open_trainer
 
@@ -67,7 +69,7 @@ def _run(model_dir: Path, out: Path, name: str, *sets: str, shift: float = -0.3,
     try:
         for _ in range(steps):
             rows.append(trainer.train_step())
-            offsets.append(np.concatenate(engines[0].applied))
+            offsets.append(list(engines[0].applied) if per_sequence else np.concatenate(engines[0].applied))
             trainer.state.step += 1
     finally:
         trainer.close()

@@ -1,7 +1,8 @@
 """Command line: `nearpolicy train [CONFIG.toml] [--set key=value ...] [--resume] [--dry-run]`, `nearpolicy train
 --resume RUN_DIR [--set ...]`, `nearpolicy list [NAME]`, `nearpolicy config`, `nearpolicy summary RUN_DIR`,
 `nearpolicy report RUN_DIR [-o OUT.html]`, `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`,
-`nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy arena ARENA.toml [--out DIR] [--dry-run]
+`nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy diagnose [CONFIG] --endpoint URL [--model MODEL]`,
+`nearpolicy arena ARENA.toml [--out DIR] [--dry-run]
 [--only CELL_GLOB] [--page]`, `nearpolicy gradbias [CONFIG] [--sources ...] [--corrections ...]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
 [--gguf PRECISION ...]`, `nearpolicy doctor`, `nearpolicy --version`."""
 
@@ -184,6 +185,10 @@ def _diagnose(args: argparse.Namespace) -> int:
     from nearpolicy.diagnosis.run import DiagnoseSettings, markdown_table, run_diagnosis
     from nearpolicy.engines.base import EngineError
 
+    if args.endpoint:  # a running server instead of engines nearpolicy starts
+        from nearpolicy.diagnosis.endpoint_command import endpoint_command
+
+        return endpoint_command(args)
     cfg = _load_config(args)
     if cfg is None:
         return 2
@@ -198,6 +203,10 @@ def _diagnose(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     rejected = sum(not c["admitted"] for c in report["candidates"])
+    if args.json:
+        from nearpolicy.runs.folder import write_json
+
+        write_json(args.json, report)
     print(markdown_table(report))  # the table and verdicts on stdout (`> table.md`); progress and logs on stderr
     print("\nevery candidate admitted" if not rejected else
           f"\n{rejected} of {len(report['candidates'])} candidate(s) rejected")
@@ -234,6 +243,9 @@ def _add_diagnose(sub) -> None:
     d.add_argument("--propose", action="store_true",
                    help="for each rejected llamacpp candidate, search the cheapest mixed-precision recipe that passes")
     d.add_argument("--promote-to", default="f16", choices=PRECISIONS, help="precision of promoted units (default f16)")
+    from nearpolicy.diagnosis.endpoint_command import add_endpoint_arguments
+
+    add_endpoint_arguments(d)
     d.set_defaults(func=_diagnose)
 
 

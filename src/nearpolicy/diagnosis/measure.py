@@ -17,7 +17,7 @@ from nearpolicy.engines.factory import build_engine as build_factory_engine
 from nearpolicy.engines.gguf.export import round_to_precision, tensor_precision
 from nearpolicy.model.load import pad_token_id, stop_token_ids
 from nearpolicy.ops.diagnostics import (k3_standard_error, logprob_diff_quantiles, mismatch_by_position,
-                                        mismatch_metrics, sequence_ess)
+                                        mismatch_metrics, sequence_ess, sequence_mismatch_metrics)
 from nearpolicy.types import GenerationRequest, SamplingParams
 from nearpolicy.model.policy import recompute_logprobs
 
@@ -144,13 +144,15 @@ def aligned_logprobs(ctx: DiagnoseContext, candidate: RolloutCandidate, batch, s
 
 def summarise(candidate: RolloutCandidate, trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
               defined: torch.Tensor, bucket: int, seconds: float = float("nan")) -> CandidateResult:
-    """Flat metrics of one candidate from [B, T] trainer / engine log-probs on the sampled tokens."""
+    """Flat metrics of one candidate from [B, T] trainer / engine log-probs on the sampled tokens: per token, and per
+    sequence (seq_*: the trainer's mismatch/seq_* metrics, docs/math.md sec. 22)."""
     m = mismatch_metrics(trainer_logprobs, rollout_logprobs, defined)
     q = logprob_diff_quantiles(trainer_logprobs, rollout_logprobs, defined)
     metrics = {k: float(m[k]) for k in ("k1", "k3", "chi2", "ess", "prob_corr", "frac_ratio_outside_0.5_2")}
     metrics |= {f"abs_logprob_diff_{k}": float(v) for k, v in q.items()}
     metrics["k3_se"] = float(k3_standard_error(trainer_logprobs, rollout_logprobs, defined))
     metrics["seq_ess"] = float(sequence_ess(trainer_logprobs, rollout_logprobs, defined))
+    metrics |= {k: float(v) for k, v in sequence_mismatch_metrics(trainer_logprobs, rollout_logprobs, defined).items()}
     metrics["tokens"] = float(m["tokens"])
     metrics["sequences"] = float(defined.any(-1).sum())
     metrics["mean_response_tokens"] = metrics["tokens"] / max(metrics["sequences"], 1.0)

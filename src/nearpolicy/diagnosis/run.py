@@ -174,8 +174,10 @@ def _report(cfg, settings, ctx, floor_result, results, verdicts, budget, scans, 
 
 
 COLUMNS = ("candidate", "weights", "k1", "k3", "k3_se", "aligned_k3", "aligned_k3_se", "chi2", "ess", "seq_ess", "abs_logprob_diff_p50", "abs_logprob_diff_p90",
-           "abs_logprob_diff_p99", "abs_logprob_diff_max", "frac_ratio_outside_0.5_2", "prob_corr", "tokens",
-           "mean_response_tokens", "tokens_per_s")
+           "abs_logprob_diff_p99", "abs_logprob_diff_max", "frac_ratio_outside_0.5_2", "prob_corr",
+           "seq_training_ppl", "seq_rollout_ppl", "seq_log_ppl_diff", "seq_log_ppl_abs_diff", "seq_log_ppl_diff_max",
+           "seq_log_ppl_diff_min", "seq_ppl_ratio", "seq_chi2", "seq_empty_count", "tokens", "mean_response_tokens",
+           "tokens_per_s")
 
 
 def _write(out: Path, report: dict, floor_result: CandidateResult, results: list[CandidateResult], verdicts, scans) -> None:
@@ -198,8 +200,8 @@ def _write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
 
 
 def markdown_table(report: dict) -> str:
-    """The verdict table as markdown, then one line per candidate saying why it is admitted or rejected in the
-    budget's terms, then the proposed recipes (what the command prints on stdout)."""
+    """The verdict table as markdown, the per-sequence table (sequence_table), then one line per candidate saying why
+    it is admitted or rejected in the budget's terms, then the proposed recipes (what the command prints on stdout)."""
     b = report["budget"]
     lines = [f"budget: {b['rule']} (noise floor k3 {b['floor_k3']:.3g})", "",
              "| candidate | weights | k3 (± s.e.) | aligned k3 | k1 | chi2 | ESS | seq ESS | p99 abs dlogp | max abs dlogp | "
@@ -213,6 +215,7 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r['candidate']} | {r['weights']} | {r['k3']:.3g} ± {r['k3_se']:.1g} | {aligned} | {r['k1']:.3g} | {r['chi2']:.3g} | "
                      f"{r['ess']:.4f} | {r['seq_ess']:.3f} | {r['abs_logprob_diff_p99']:.3g} | "
                      f"{r['abs_logprob_diff_max']:.3g} | {r['frac_ratio_outside_0.5_2']:.2%} | {verdict} |")
+    lines += ["", *sequence_table(rows)]
     budget = Budget(**b)
     lines += ["", *(f"- {verdict_line(r['candidate'], r['k3'], budget)}" for r in report["candidates"])]
     for rec in report["recipes"]:
@@ -220,3 +223,16 @@ def markdown_table(report: dict) -> str:
         lines.append(f"\nproposed for {rec['candidate']}: " + (f"{found['spec']} (k3 {found['measured_k3']:.3g}, "
                      f"+{found['extra_bytes'] / 1e6:.1f} MB)" if found else "no recipe within the budget"))
     return "\n".join(lines)
+
+
+def sequence_table(rows: list[dict]) -> list[str]:
+    """Markdown lines of the per-sequence metrics (seq_*, verl's rollout_corr names in the README), one row per
+    candidate; d = log PPL trainer - log PPL engine (nats / token), > 0 where the trainer is more surprised."""
+    lines = ["| candidate | trainer PPL | engine PPL | log-PPL diff d | mean abs d | min / max d | PPL ratio | "
+             "seq chi2 | empty |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['candidate']} | {r['seq_training_ppl']:.4g} | {r['seq_rollout_ppl']:.4g} | "
+                     f"{r['seq_log_ppl_diff']:.3g} | {r['seq_log_ppl_abs_diff']:.3g} | "
+                     f"{r['seq_log_ppl_diff_min']:.3g} / {r['seq_log_ppl_diff_max']:.3g} | {r['seq_ppl_ratio']:.4g} | "
+                     f"{r['seq_chi2']:.3g} | {r['seq_empty_count']:.0f} |")
+    return lines

@@ -4,7 +4,9 @@
 With log r = logprobs_pi - logprobs_mu on tokens sampled from mu (Schulman 2020, "Approximating KL
 divergence"): k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r, each averaged over tokens, estimate
 KL(mu || pi) in nats. Normalised ESS = (sum w)^2 / (n sum w^2) with w = r (in (0, 1]; `normalized_ess`, the one
-ESS of the library: token, lag, sequence and AIS reliability all call it); chi2 = mean(w^2) - 1."""
+ESS of the library: token, lag, sequence and AIS reliability all call it); chi2 = mean(w^2) - 1. Per sequence
+(`sequence_mismatch_metrics`, verl's rollout_corr family): log-perplexities, their difference d = log PPL_pi -
+log PPL_mu = mean log mu - mean log pi, the perplexity ratio exp(d) and chi2 of the sequence weight prod_t w."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import math
 
 import torch
 
-from nearpolicy.ops.masked import SAFETY_BOUND, masked_max, masked_mean, select
+from nearpolicy.ops.masked import SAFETY_BOUND, clamped_exp, masked_max, masked_mean, masked_min, select
 
 
 def normalized_ess(log_weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -137,6 +139,44 @@ def sequence_ess(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: 
     defined = defined.bool()
     log_w = (select(pi_logprobs.double(), defined) - select(mu_logprobs.double(), defined)).sum(-1)
     return normalized_ess(log_w, defined.any(-1))
+
+
+def sequence_mismatch_metrics(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor,
+                              defined: torch.Tensor) -> dict[str, torch.Tensor]:
+    """verl's per-sequence perplexity family (rollout_corr metrics of `compute_offpolicy_metrics`, verl
+    trainer/ppo/rollout_corr_helper.py), docs/math.md sec. 22. pi_logprobs: the trainer's (`old_logprobs`),
+    mu_logprobs: the engine's (`rollout_logprobs`, NaN where undefined: never read), both [B, T] float (nats);
+    `defined` [B, T] bool. Per sequence i with n_i > 0 defined tokens, log PPL_i = -mean_t log p (nats / token) and
+
+        d_i = log PPL_pi,i - log PPL_mu,i = mean_t log mu - mean_t log pi      (> 0: the trainer is more surprised)
+
+    Returns detached float64 scalars, means over the non-empty sequences (each one vote, whatever its length):
+    seq_{training,rollout}_ppl = mean exp(log PPL_i), seq_{training,rollout}_log_ppl = mean log PPL_i,
+    seq_log_ppl_diff = mean d_i, seq_log_ppl_abs_diff = mean |d_i|, seq_log_ppl_diff_{max,min}, seq_ppl_ratio =
+    mean exp(d_i) (d_i clamped to +-20), seq_chi2 = mean exp(2 clamp(sum_t log pi/mu, +-20)) - 1; seq_count (non-empty
+    sequences) and seq_empty_count (rows without a defined token: left out of every mean). With no non-empty
+    sequence the log quantities are 0 and the perplexities and ratio 1."""
+    defined = defined.bool()
+    tokens = defined.sum(-1)
+    rows = tokens > 0
+    pi = select(pi_logprobs.detach().double(), defined)
+    mu = select(mu_logprobs.detach().double(), defined)
+    per_token = tokens.clamp_min(1).double()
+    training_log_ppl, rollout_log_ppl = -pi.sum(-1) / per_token, -mu.sum(-1) / per_token  # [B]
+    diff = training_log_ppl - rollout_log_ppl
+    seq_log_ratio = (pi - mu).sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    mean = lambda values: masked_mean(values, rows)  # noqa: E731
+    any_row = rows.any()
+    one = lambda value: torch.where(any_row, value, torch.ones((), dtype=torch.float64))  # noqa: E731
+    return {
+        "seq_training_ppl": one(mean(training_log_ppl.exp())), "seq_rollout_ppl": one(mean(rollout_log_ppl.exp())),
+        "seq_training_log_ppl": mean(training_log_ppl), "seq_rollout_log_ppl": mean(rollout_log_ppl),
+        "seq_log_ppl_diff": mean(diff), "seq_log_ppl_abs_diff": mean(diff.abs()),
+        "seq_log_ppl_diff_max": masked_max(diff, rows), "seq_log_ppl_diff_min": masked_min(diff, rows),
+        "seq_ppl_ratio": one(mean(clamped_exp(diff))),
+        "seq_chi2": mean((2 * seq_log_ratio).exp()) - any_row.double(),
+        "seq_count": rows.sum().double(), "seq_empty_count": (~rows).sum().double(),
+    }
 
 
 def k3_standard_error(pi_logprobs: torch.Tensor, mu_logprobs: torch.Tensor, defined: torch.Tensor) -> torch.Tensor:

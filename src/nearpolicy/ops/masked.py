@@ -39,6 +39,13 @@ def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return select(values, mask, fill=float("-inf")).max()
 
 
+def masked_min(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Min over valid positions (scalar); +inf-free: an empty mask gives 0."""
+    if not mask.bool().any():
+        return values.new_zeros(())
+    return select(values, mask, fill=float("inf")).min()
+
+
 def clamped_exp(log_ratio: torch.Tensor, bound: float = SAFETY_BOUND) -> torch.Tensor:
     """exp of a log-ratio clamped to [-bound, bound] nats."""
     return torch.exp(log_ratio.clamp(-bound, bound))

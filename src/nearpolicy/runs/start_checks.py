@@ -9,8 +9,10 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
+from nearpolicy.model.load import DEFAULT_SPEC
 from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_step, is_finite_number,
                              list_checkpoints, read_json_object, read_metrics)
 from nearpolicy.signals import resume_command
@@ -53,7 +55,7 @@ def stored_config(run_dir: Path, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"--set {item}: with --resume RUN_DIR the folder is RUN_DIR; run.name and "
                               "run.output_dir cannot be set (move the folder instead)")
     data.setdefault("run", {}).update(output_dir=str(run_dir.parent), name=run_dir.name)
-    _task_path_from_where_it_started(data, run_dir)
+    _paths_from_where_it_started(data, run_dir)
     try:
         return config_from_data(copy.deepcopy(data), list(overrides), None)  # overrides edit the dict in place
     except ConfigError as err:
@@ -61,48 +63,100 @@ def stored_config(run_dir: Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"--set on {path}: {err}") from None
 
 
-def _recorded_task_file(run_dir: Path) -> str | None:
-    """The absolute path of the run's JSONL file as plan.json recorded it at the start (data.resolved), or None."""
-    try:
-        data = read_json_object(run_dir / "plan.json").get("data") if (run_dir / "plan.json").exists() else None
-    except RunFolderError:
+# Config keys whose value may be a path, read relative to the current folder of the start (plan.json's working_dir):
+# a --resume RUN_DIR from another folder reads them from there. model.path and distill.teacher may also be the
+# shipped model's name "smollm2", task.reward_function a module name ("module:function"): those are not paths.
+PATH_KEYS = ("model.path", "distill.teacher", "task.path", "task.reward_function")
+
+
+def _path_value(key: str, data: dict) -> tuple[str, str] | None:
+    """(the path, the text after it: ":function" of a reward file) that config key `key` ("section.name") holds in
+    config `data` (a config.json dict), or None when it holds no path (unset, the model name, a module name, the
+    task.path of a task that is not jsonl)."""
+    section, name = key.split(".")
+    fields = data.get(section) if isinstance(data.get(section), dict) else {}
+    value, rest = fields.get(name), ""
+    if not isinstance(value, str) or (key == "task.path" and fields.get("kind") != "jsonl"):
         return None
-    resolved = data.get("resolved") if isinstance(data, dict) else None
-    return resolved if isinstance(resolved, str) else None
+    if key == "task.reward_function":
+        module, colon, function = value.rpartition(":")
+        if not module.endswith(".py"):
+            return None
+        value, rest = module, colon + function
+    return None if value == DEFAULT_SPEC and key in ("model.path", "distill.teacher") else (value, rest)
 
 
-def _task_path_from_where_it_started(data: dict, run_dir: Path) -> None:
-    """In a stored config `data` (edited in place): a relative JSONL task.path is read from the folder the run started
-    in (plan.json's data.resolved), not from the current folder. Raises ConfigError when the file is in neither place
-    (a run from before the record: say where it is read from)."""
-    task = data.get("task") if isinstance(data.get("task"), dict) else {}
-    path = task.get("path")
-    if task.get("kind") != "jsonl" or not isinstance(path, str) or Path(path).is_absolute():
-        return
-    recorded = _recorded_task_file(run_dir)
-    if recorded is not None and Path(recorded).is_file():
-        task["path"] = recorded
-    elif not Path(path).is_file():
-        raise ConfigError(f"task.path {path} of {run_dir / 'config.json'} is relative and is read from the current "
-                          f"folder {Path.cwd()}, where it does not exist (the run recorded no absolute path): run "
-                          "`nearpolicy train --resume` from the folder the run was started in")
+def _is_relative(path: str) -> bool:
+    return not (Path(path).is_absolute() or path.startswith("~"))
+
+
+def _plan_record(run_dir: Path) -> dict:
+    """The run's plan.json ({} when it is missing or unreadable)."""
+    try:
+        return read_json_object(run_dir / "plan.json") if (run_dir / "plan.json").exists() else {}
+    except RunFolderError:
+        return {}
+
+
+def _started_location(key: str, path: str, plan: dict) -> Path | None:
+    """Where the run read path `path` of config key `key` at its start: an absolute path (or one under ~) is itself; a
+    relative task.path is plan.json's data.resolved, any other relative path lies under plan.json's working_dir;
+    None when the run recorded neither."""
+    if not _is_relative(path):
+        return Path(path).expanduser()
+    data = plan.get("data")
+    resolved = data.get("resolved") if key == "task.path" and isinstance(data, dict) else None
+    if isinstance(resolved, str):
+        return Path(resolved)
+    working_dir = plan.get("working_dir")
+    return Path(working_dir) / path if isinstance(working_dir, str) else None
+
+
+def _paths_from_where_it_started(data: dict, run_dir: Path) -> None:
+    """In a stored config `data` (edited in place): each relative path of PATH_KEYS is replaced by the absolute path
+    the run read at its start (plan.json), so it is not read from the current folder. Raises ConfigError when the
+    file is in neither place."""
+    plan = _plan_record(run_dir)
+    for key in PATH_KEYS:
+        found = _path_value(key, data)
+        if found is None or not _is_relative(found[0]):
+            continue
+        (path, rest), (section, name) = found, key.split(".")
+        started = _started_location(key, path, plan)
+        if started is not None and started.exists():
+            data[section][name] = str(started) + rest
+        elif not Path(path).exists():
+            where = (f"is neither at {started} (where the run started) nor in the current folder {Path.cwd()}"
+                     if started is not None else f"is read from the current folder {Path.cwd()}, where it does not "
+                     "exist (the run recorded no absolute path)")
+            raise ConfigError(f"{key} {path} of {run_dir / 'config.json'} is relative and {where}: run `nearpolicy "
+                              "train --resume` from the folder the run was started in")
+
+
+def _same_location(key: str, saved: dict, now: dict, plan: dict) -> bool:
+    """Whether config key `key` names, in the config `now` resumed with, the file the saved config `saved` named at
+    the run's start (both config.json dicts; where the file was, plan.json recorded)."""
+    then, found = _path_value(key, saved), _path_value(key, now)
+    started = _started_location(key, then[0], plan) if then is not None else None
+    if started is None or found is None or then[1] != found[1]:
+        return False
+    return Path(found[0]).expanduser().resolve() == started.resolve()
 
 
 def check_same_config(saved_path: Path, cfg: Config) -> None:
     """Refuse (RunExistsError) a --resume whose config differs from the run's saved config.json, except in
-    RESUMABLE_KEYS. A key the saved config lacks (added to the schema since) counts as its default. A task.path
-    written differently (relative, absolute, from another folder) that names the file the run recorded
-    (plan.json's data.resolved) is the same."""
+    RESUMABLE_KEYS. A key the saved config lacks (added to the schema since) counts as its default. A path of
+    PATH_KEYS written differently (relative, absolute, from another folder) that names the file the run started
+    with (as plan.json recorded it) is the same."""
     if not saved_path.exists():
         return
     saved = json.loads(saved_path.read_text())
     now, default = cfg.model_dump(mode="json"), Config().model_dump(mode="json")
-    recorded = _recorded_task_file(saved_path.parent)
-    same_file = recorded is not None and cfg.task.path is not None and str(cfg.task.path.resolve()) == recorded
+    plan = _plan_record(saved_path.parent)
     changed = [f"{section}.{key}" for section, fields in now.items() for key, value in fields.items()
                if saved.get(section, {}).get(key, default[section][key]) != value
                and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS
-               and not (f"{section}.{key}" == "task.path" and same_file)]
+               and not (f"{section}.{key}" in PATH_KEYS and _same_location(f"{section}.{key}", saved, now, plan))]
     steps_then = saved.get("run", {}).get("steps", default["run"]["steps"])
     if steps_then != cfg.run.steps and cfg.algorithm.lr_schedule != "constant":
         raise RunExistsError(f"--resume with run.steps {steps_then} -> {cfg.run.steps}: with algorithm.lr_schedule = "

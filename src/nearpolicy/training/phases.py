@@ -8,7 +8,7 @@ import torch
 
 from nearpolicy.batching import TokenBatch
 from nearpolicy.config.schema import Config
-from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics
+from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics, sequence_mismatch_metrics
 from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.turn_credit import TurnCreditParams, compute_turn_credit
 from nearpolicy.model.policy import recompute_logprobs
@@ -97,9 +97,11 @@ def advantage_signal(advantages: torch.Tensor, keep: torch.Tensor, mask: torch.T
 
 
 def mismatch_diagnostics(update: UpdateResult, batch: TokenBatch, defined: torch.Tensor) -> dict[str, float]:
-    """mismatch/*: trainer (old_logprobs) vs engine (rollout_logprobs) over the defined tokens [B, T], and its
+    """mismatch/*: trainer (old_logprobs) vs engine (rollout_logprobs) over the defined tokens [B, T], per token and
+    per sequence (mismatch/seq_*: verl's rollout_corr perplexity family, docs/math.md sec. 22), and its
     decomposition into numerical discrepancy and policy lag (docs/math.md sec. 17)."""
     out = mismatch_metrics(update.old_logprobs, batch.rollout_logprobs, defined)
+    out |= sequence_mismatch_metrics(update.old_logprobs, batch.rollout_logprobs, defined)
     out |= mismatch_decomposition(update.logprobs, update.old_logprobs, batch.rollout_logprobs, defined)
     return {f"mismatch/{k}": float(v) for k, v in out.items()}
 

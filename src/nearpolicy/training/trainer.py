@@ -160,7 +160,9 @@ class Trainer:
             self._resume()
         rollouts.start(self.state.version, self.state.data_position, self.state.scheduler)
         write_json(self.run_dir / "config.json", cfg.model_dump(mode="json"))
-        write_json(self.run_dir / "plan.json", session.plan | {"data": self.data, "resumed_at_step": self.state.step})
+        plan = {"data": self.data, "resumed_at_step": self.state.step,
+                "working_dir": str(Path.cwd())}  # where config.json's relative paths are read (start_checks.PATH_KEYS)
+        write_json(self.run_dir / "plan.json", session.plan | plan)
         self.metrics = MetricsSink(self.run_dir, open_trackers(self.run_dir, cfg.logging, cfg.model_dump(mode="json")))
         self.samples = SampleLog(self.run_dir, resumed_at=self.state.step)  # eval responses and rewards
         self.scorer = BoundedScorer(session.task, cfg.task.reward_timeout_s)  # last: nothing after it can fail

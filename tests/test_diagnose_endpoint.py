@@ -1,0 +1,186 @@
+"""`nearpolicy diagnose --endpoint` against in-process stub servers: the client's protocol handling and every error it
+names (no log-probs, a different tokenizer, truncated or malformed answers, timeouts, an unreachable server), and the
+whole measurement on a stub engine whose log-probs are the reference's plus a known offset, so k3 is known exactly.
+The real servers (llama-cpp-python's, vLLM's) are in tests/test_diagnose_endpoint_servers.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from endpoint_stub import StubEngine, free_port, http_stub
+
+from nearpolicy.diagnosis.endpoint_client import EndpointClient, EndpointError, SampleRequest
+from nearpolicy.diagnosis.endpoint_tokens import piece_index, resolve
+
+REQUEST = SampleRequest(0, 0, (1, 9690, 198), "<|im_start|>user\n", 3, 1.0, 1.0, 0, 7, 2, (0, 2, 4))
+
+
+def _choice(ids=(28, 253, 2), text=None, finish="stop", logprobs=True, usage=None, tokenizer=None):
+    text = text if text is not None else (tokenizer.decode(list(ids)) if tokenizer else "x")
+    lp = {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [-0.5] * len(ids),
+          "top_logprobs": [{f"token_id:{i}": -0.5, "token_id:17": -1.5} for i in ids]} if logprobs else None
+    answer = {"choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}]}
+    if usage is not None:
+        answer["usage"] = usage
+    return answer
+
+
+def _sample(answer, timeout_s: float = 5.0):
+    with http_stub(lambda method, path, body: (200, answer)) as (url, _):
+        return EndpointClient(url, timeout_s).sample("m", REQUEST)
+
+
+def _error(answer, status: int = 200, timeout_s: float = 5.0) -> EndpointError:
+    with http_stub(lambda method, path, body: (status, answer)) as (url, _):
+        with pytest.raises(EndpointError) as err:
+            EndpointClient(url, timeout_s).sample("m", REQUEST)
+    return err.value
+
+
+def test_ids_go_in_and_come_out_and_every_sampler_knob_is_sent():
+    with http_stub(lambda method, path, body: (200, _choice(usage={"completion_tokens": 3}))) as (url, requests):
+        s = EndpointClient(url + "/v1/").sample("m", REQUEST)
+    body = requests[0][2]
+    assert requests[0][1] == "/v1/completions" and body["prompt"] == [1, 9690, 198]
+    assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"], body["repetition_penalty"],
+            body["repeat_penalty"], body["seed"], body["n"], body["logprobs"]) == (1.0, 1.0, 0, 0.0, 1.0, 1.0, 7, 1, 2)
+    assert body["stop_token_ids"] == [0, 2, 4] and body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    assert s.completion_ids == [28, 253, 2] and s.pieces is None and s.prompt_sent_as == "ids"
+    assert s.logprobs == [-0.5] * 3 and s.top[0] == {28: -0.5, 17: -1.5}
+
+
+def test_a_server_that_refuses_id_prompts_gets_text_from_then_on():
+    def handle(method, path, body):
+        if isinstance(body["prompt"], list):
+            return 422, {"error": {"message": "prompt: Input should be a valid string"}}
+        return 200, {"choices": [{"text": "ab", "finish_reason": "length", "logprobs": {
+            "tokens": ["a", "b", "c"], "token_logprobs": [-1.0, -9999.0, -0.1], "top_logprobs": [{"a": -1.0}] * 3}}]}
+
+    with http_stub(handle) as (url, requests):
+        client = EndpointClient(url)
+        first, second = client.sample("m", REQUEST), client.sample("m", REQUEST)
+    assert [type(r[2]["prompt"]).__name__ for r in requests] == ["list", "str", "str"]
+    assert requests[1][2]["prompt"] == "<|im_start|>user\n"
+    assert first.prompt_sent_as == second.prompt_sent_as == "text" and first.completion_ids is None
+    assert first.pieces == ["a", "b", "c"] and first.logprobs[1] == -math.inf  # vLLM's -9999: probability 0
+
+
+@pytest.mark.parametrize("answer, cause, words", [
+    (_choice(logprobs=False), "no_logprobs", "no per-token log-probs"),
+    (b"<html>bad gateway</html>", "malformed", "not JSON"),
+    ({"object": "error"}, "malformed", "no choices[0]"),
+    (_choice(finish=None), "truncated", "cut short"),
+    (_choice(finish="length", ids=(28, 253)), "truncated", "after 2 of 3 tokens"),
+    (_choice(usage={"completion_tokens": 9}), "truncated", "usage says 9"),
+    (_choice(ids=(28, 253, 2, 5)), "malformed", "more than max_tokens"),
+])
+def test_bad_answers_are_errors_that_name_their_cause(answer, cause, words):
+    err = _error(answer)
+    assert err.cause == cause and words in str(err)
+
+
+def test_lengths_that_disagree_are_malformed():
+    answer = _choice()
+    answer["choices"][0]["logprobs"]["token_logprobs"].pop()
+    assert _error(answer).cause == "malformed"
+
+
+def test_http_errors_carry_the_servers_message_and_slow_servers_time_out():
+    err = _error({"error": {"message": "logprobs is not supported for models created with logits_all=False"}}, 500)
+    assert err.cause == "http" and "logits_all=False" in str(err) and "HTTP 500" in str(err)
+    err = _error(("sleep", 2.0, _choice()), timeout_s=0.5)
+    assert err.cause == "timeout" and "0.5 s" in str(err)
+    with pytest.raises(EndpointError) as down:
+        EndpointClient(f"http://127.0.0.1:{free_port()}").models()
+    assert down.value.cause == "unreachable"
+
+
+def test_a_server_with_another_tokenizer_is_refused(smollm2_tokenizer):
+    good = _sample(_choice(tokenizer=smollm2_tokenizer))
+    resolved, identity = resolve([good], smollm2_tokenizer, {0, 2, 4})
+    assert resolved[0].completion_ids == [28, 253, 2] and identity.text_disagreements == 0
+    other = _sample(_choice(text="completely different words"))
+    with pytest.raises(EndpointError, match="different tokenizer") as err:
+        resolve([other, other], smollm2_tokenizer, {0, 2, 4})
+    assert err.value.cause == "tokenizer"
+    strings = _sample({"choices": [{"text": "", "finish_reason": "length", "logprobs": {
+        "tokens": ["\u4e2d\u6587\u5b57", "\u00ff\u00fe", "zzqx\u0101"], "token_logprobs": [-1.0] * 3,
+        "top_logprobs": [{}] * 3}}]})
+    with pytest.raises(EndpointError, match="vocabulary"):
+        resolve([strings], smollm2_tokenizer, {0, 2, 4})
+
+
+def test_token_strings_map_to_ids_only_where_one_id_spells_them(smollm2_tokenizer):
+    index = piece_index(smollm2_tokenizer)
+    ids = smollm2_tokenizer("The sum is 7.", add_special_tokens=False)["input_ids"]
+    assert [index[smollm2_tokenizer.decode([i])] for i in ids] == ids
+    assert "" not in index and not any("\ufffd" in p for p in index)
+    assert index["<|im_end|>"] == 2  # HF spells special tokens; llama.cpp prints them as "", which maps to nothing
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def _diagnose(tiny_model_dir, url, tmp_path, *extra):
+    cmd = [sys.executable, "-m", "nearpolicy", "diagnose", "--endpoint", url, "--model", str(tiny_model_dir),
+           "--set", "sampling.max_new_tokens=12", "--set", "logging.progress=false", "--set", "run.threads=1",
+           "--prompts", "3", "--group", "4", "--out", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"),
+           "--top-logprobs", "3", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return done, json.loads((tmp_path / "r.json").read_text())
+
+
+@pytest.mark.slow  # three CLI runs of the tiny model
+def test_known_offsets_give_known_k3_and_a_hotter_sampler_is_caught(tiny, tiny_model_dir, tmp_path):
+    model, tokenizer = tiny
+    with http_stub(StubEngine(model, tokenizer)) as (url, _):
+        honest, report = _diagnose(tiny_model_dir, url, tmp_path / "honest")
+    assert honest.returncode == 0, honest.stderr[-3000:]
+    row = report["endpoint_row"]
+    assert report["verdict"] == "admitted" and row["tokens"] == 144 and row["k3"] < 1e-9
+    assert report["checks"]["distribution"]["kl_lower"] < 1e-9 and report["checks"]["distribution"]["top1_agree"] == 1
+    assert report["retokenization"]["ids_from"] == "server ids" and report["retokenization"]["prompt_sent_as"] == "ids"
+    assert "| endpoint: stub |" in honest.stdout and "endpoint admitted" in honest.stdout
+    # every engine log-prob 0.1 nats above the reference's: log r = -0.1, k3 = e^-0.1 - 1 + 0.1 at every token
+    with http_stub(StubEngine(model, tokenizer, offset=0.1)) as (url, _):
+        shifted, report = _diagnose(tiny_model_dir, url, tmp_path / "shifted", "--budget-k3", "1e-3")
+    assert shifted.returncode == 1 and report["verdict"] == "rejected"
+    assert report["endpoint_row"]["k3"] == pytest.approx(math.exp(-0.1) - 1 + 0.1, rel=1e-4)
+    assert report["endpoint_row"]["k1"] == pytest.approx(0.1, rel=1e-4)
+    # the server samples at 2.0 while the client claims 1.0; its raw log-probs still match the reference's exactly
+    with http_stub(StubEngine(model, tokenizer, temperature=2.0)) as (url, _):
+        hot, report = _diagnose(tiny_model_dir, url, tmp_path / "hot")
+    assert hot.returncode == 1 and report["endpoint_row"]["k3"] < 1e-9
+    assert not report["checks"]["sampler"]["passed"] and report["checks"]["sampler"]["z"] < -4
+    assert any("temperature" in reason for reason in report["reasons"])
+
+
+def test_a_failure_midway_gives_no_verdict_and_no_report(tiny, tiny_model_dir, tmp_path):
+    model, tokenizer = tiny
+    with http_stub(StubEngine(model, tokenizer, fail_after=5)) as (url, _):
+        done, report = _diagnose(tiny_model_dir, url, tmp_path)
+    assert done.returncode == 2 and "engine crashed" in done.stderr and "no verdict" in done.stderr
+    assert report["verdict"] is None and report["error"]["cause"] == "http" and "endpoint_row" not in report
+    assert not (tmp_path / "out" / "endpoint.json").exists()
+
+
+def test_cli_refuses_local_options_and_reports_an_unreachable_server_as_exit_2(tmp_path):
+    base = [sys.executable, "-m", "nearpolicy", "diagnose", "--endpoint", f"http://127.0.0.1:{free_port()}",
+            "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "out")]
+    mixed = subprocess.run(base + ["--candidates", "llamacpp:f32"], capture_output=True, text=True, timeout=120)
+    assert mixed.returncode == 2 and "--candidates: not with --endpoint" in mixed.stderr
+    down = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 2 and "endpoint unreachable" in down.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["error"]["cause"] == "unreachable"
+    bad = subprocess.run(base + ["--top-logprobs", "50"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--top-logprobs must be in [0, 20]" in bad.stderr
