@@ -263,6 +263,43 @@ def test_greedy_refills_finished_slots_and_every_id_is_the_trainers_argmax(tiny_
         assert (logits.max(-1).values - picked).max().item() < 1e-4
 
 
+def test_greedy_evaluates_a_shared_prompt_prefix_once_and_every_id_is_still_the_trainers_argmax(tiny_gguf_factory,
+                                                                                                 tiny_policy):
+    """The eval's prompts share a system prompt and chat template (43 of chain_sum's 54 tokens): greedy_continuous
+    evaluates that prefix once into the spare stream and copies it into each sequence's stream, so each prompt
+    prefills only its tail. 9 prompts with a 10-id shared prefix through 3 streams (later prompts join refilled
+    slots, which get the prefix copied too): the decoded prompt ids drop from 9 x 13 to 10 + 9 x 3, and every id is
+    the trainer's argmax on the whole prompt (f32: within 1e-4 of the max logit; a missing or misplaced prefix would
+    be off by whole logits). A prefix shorter than SHARED_PREFIX_MIN is prefilled per prompt, as before."""
+    from nearpolicy.engines.llama_context import SHARED_PREFIX_MIN, greedy_continuous, shared_prefix_length
+
+    prefix = (1, 504, 3287, 28, 1085, 6001, 2683, 359, 253, 5356)
+    prompts = [prefix + (100 + i, 200 + i % 3, 300 + i) for i in range(9)]
+    assert shared_prefix_length(prompts) == 10 >= SHARED_PREFIX_MIN > 3 and shared_prefix_length([]) == 0
+    assert shared_prefix_length([(1, 2, 3), (1, 2, 3)]) == 2  # each prompt keeps its last id
+    engine = LlamaCppEngine(tiny_gguf_factory("f32"), max_context=128, max_parallel_sequences=3, threads=2,
+                            kv_cache="f32", adaptive_threads=False)
+    ctx = engine._greedy_context(64)
+    decoded = []
+    original = ctx.decode
+    ctx.decode = lambda entries: (decoded.append(entries), original(entries))[1]
+    stops = lambda tok: tok % 3 == 0  # noqa: E731  sequences end at different steps, so slots are refilled
+    out = greedy_continuous(ctx, prompts, 6, stops, kv_reuse=True)
+    # prompt ids at positions 0-11 (the last, 12, is decoded with its logits): the prefix once, then 2 per prompt
+    assert sum(1 for call in decoded for _, pos, _, _ in call if pos < 12) == 10 + 9 * 2
+    short = [prefix[:3] + (100 + i, 7) for i in range(4)]
+    decoded.clear()
+    out_short = greedy_continuous(ctx, short, 2, stops, kv_reuse=False)
+    assert sum(1 for call in decoded for _, pos, _, _ in call if pos < 4) == 4 * 4  # no sharing below the minimum
+    engine.close()
+    for prompt, ids in list(zip(prompts, out)) + list(zip(short, out_short)):
+        assert ids and all(not stops(t) for t in ids[:-1])
+        with torch.no_grad():
+            logits = tiny_policy[0](input_ids=torch.tensor([list(prompt) + ids])).logits[0, len(prompt) - 1 : -1]
+        picked = logits.gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        assert (logits.max(-1).values - picked).max().item() < 1e-4
+
+
 @pytest.mark.parametrize("spare", [True, False], ids=["swap-through-spare", "no-spare"])
 def test_packed_streams_keep_every_sequence_on_its_own_cache(tiny_gguf_factory, tiny_policy, spare):
     """Sampling packs the live sequences into the lowest KV streams before each decode step (KVContext.pack): groups

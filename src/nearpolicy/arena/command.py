@@ -22,7 +22,13 @@ minimum detectable difference at 80 % power; a CI containing 0 is "no difference
 accuracy and k3 over steps. Progress (cell i/N, its step, the arena's ETA) goes to stderr; each cell's
 start-up log to OUT/logs/CELL.log.
 
-Exit codes: 0 every selected cell done or diverged; 1 a cell failed; 2 a bad or changed arena file; 130 / 143
+With arena.sequential = true the cells run seed by seed, and after each seed from arena.min_seeds on a sequential
+rule judges every comparison of the arena.stop_on outcome at the level 0.05 / K (K looks; Bonferroni: a false
+"difference detected" has probability <= 0.05 per comparison over all looks): settled when its CI excludes 0, or
+contains 0 with an MDE <= arena.target_mde. Once every comparison is settled the remaining seeds' cells are recorded
+as skipped and the arena ends; the looks go to OUT/arena-sequential.json and the page. --dry-run states the rule.
+
+Exit codes: 0 every selected cell done, diverged or skipped; 1 a cell failed; 2 a bad or changed arena file; 130 / 143
 stopped by SIGINT / SIGTERM (run again to continue)."""
 
 
@@ -32,7 +38,8 @@ def add_arena_parser(sub) -> None:
     a.add_argument("arena", type=Path, metavar="ARENA.toml", help="the arena file (e.g. configs/arena.toml)")
     a.add_argument("--out", type=Path, help="output folder (default: the file's arena.out, else runs/arena-<stem>)")
     a.add_argument("--dry-run", action="store_true",
-                   help="list the cells (status, overrides) and the estimated budget; run and write nothing")
+                   help="list the cells (status, overrides), the estimated budget and the sequential rule, if "
+                        "on; run and write nothing")
     a.add_argument("--only", metavar="CELL_GLOB",
                    help="run only the cells whose id correction/source/sSEED matches, e.g. 'off/*' or '*/q4_1/s0'")
     a.add_argument("--page", action="store_true",

@@ -1,4 +1,5 @@
-"""The arena's page: OUT/arena.md (the tables and the paired comparisons), OUT/arena.json (every number) and
+"""The arena's page: OUT/arena.md (the tables and the paired comparisons of every outcome: final and best accuracy,
+eval AUC, late training reward), OUT/arena.json (every number) and
 OUT/arena.html (the same tables and, per mismatch source, eval accuracy and k3 over steps for every cell: one colour
 per correction, one line per seed; matplotlib figures embedded as base64 PNGs, like runs/report.py, so the file needs
 nothing beside it)."""
@@ -13,15 +14,16 @@ from dataclasses import asdict
 
 from matplotlib.figure import Figure
 
-from nearpolicy.arena.comparisons import METHOD, PairedComparison, paired_comparisons
+from nearpolicy.arena import sequential
+from nearpolicy.arena.comparisons import METHOD, OUTCOMES, PairedComparison, paired_comparisons
 from nearpolicy.arena.paired import Paired, verdict
 from nearpolicy.arena.spec import ArenaSpec
 from nearpolicy.arena.state import ArenaState
 from nearpolicy.arena.table import Aggregate, CellResult, arena_results, duration, spread_statements
 from nearpolicy.runs.folder import write_json
 
-COLUMNS = ("correction", "source", "seeds", "final accuracy", "best accuracy", "diverged", "median k3",
-           "tokens changed", "s/step", "final: seed sd vs eval-set sd")
+COLUMNS = ("correction", "source", "seeds", "final accuracy", "best accuracy", "eval AUC", "late reward", "diverged",
+           "median k3", "tokens changed", "s/step", "final: seed sd vs eval-set sd")
 
 
 def _num(value: float | None, fmt: str = ".3f") -> str:
@@ -37,19 +39,27 @@ def _mean_sd(pair: tuple[float | None, float | None], a: Aggregate | None = None
     return said + (f" (incl. {a.diverged_in_mean} diverged)" if a is not None and a.diverged_in_mean else "")
 
 
+def _other_mean_sd(pair: tuple[float | None, float | None], k: int, a: Aggregate) -> str:
+    """'mean ± sd' of the eval AUC or late reward over its k seeds, the count said when it is not the n of the final
+    accuracy's mean."""
+    return _mean_sd(pair) + (f" ({k} of {a.finished} seeds)" if pair[0] is not None and k != a.n else "")
+
+
 def eval_sd(mean: float, eval_size: int) -> float:
     """The binomial sd sqrt(p (1 - p) / eval_size) of one accuracy p on eval_size problems (table.arm_se's floor)."""
     return math.sqrt(mean * (1 - mean) / max(eval_size, 1))
 
 
 def aggregate_row(a: Aggregate, eval_size: int) -> list[str]:
-    """The long table's cells for one correction x source (COLUMNS); the last compares the seeds' sd of the final
-    accuracy with the binomial sd of one accuracy on the eval set ('eval set' marks the larger one)."""
+    """The long table's cells for one correction x source (COLUMNS): means ± sd over the seeds; the last compares the
+    seeds' sd of the final accuracy with the binomial sd of one accuracy on the eval set ('eval set' marks the larger
+    one)."""
     seeds = f"{a.n}/{a.seeds}" + (f" ({a.failed} failed or not run)" if a.failed else "")
     mean, sd = a.final
     noise = "-" if mean is None or sd is None else (
         f"{sd:.3f} vs {eval_sd(mean, eval_size):.3f}" + (" (eval set)" if eval_sd(mean, eval_size) > sd else ""))
     return [a.correction, a.source, seeds, _mean_sd(a.final, a), _mean_sd(a.best, a),
+            _other_mean_sd(a.auc, a.auc_n, a), _other_mean_sd(a.late_reward, a.late_reward_n, a),
             f"{a.diverged}/{a.finished}" if a.finished else "-", _num(a.k3_median, ".2e"),
             "-" if a.changed_fraction is None else f"{100 * a.changed_fraction:.2f} %", _num(a.step_seconds, ".1f"),
             noise]
@@ -76,12 +86,13 @@ def _matrix(spec: ArenaSpec, aggregates: list[Aggregate]) -> tuple[list[str], li
 
 def _cell_rows(results: list[CellResult]) -> list[list[str]]:
     return [[r.id, r.status + (f" ({r.failure})" if r.failure else ""), str(r.steps), _num(r.initial_accuracy),
-             _num(r.final_accuracy), _num(r.best_accuracy), _num(r.k3_median, ".2e"),
+             _num(r.final_accuracy), _num(r.best_accuracy), _num(r.auc_accuracy), _num(r.late_reward),
+             _num(r.k3_median, ".2e"),
              "-" if r.changed_fraction is None else f"{100 * r.changed_fraction:.2f} %", _num(r.step_seconds, ".1f"),
              "; ".join(r.notes + ([r.error.splitlines()[-1][:160]] if r.error else []))] for r in results]
 
 
-PAIRED_COLUMNS = ["comparison", "accuracy", "seeds", "per-seed differences", "difference", "SE: seeds",
+PAIRED_COLUMNS = ["comparison", "outcome", "seeds", "per-seed differences", "difference", "SE: seeds",
                   "SE: eval set (at least)", "95 % CI", "MDE (80 %)", "verdict", "bound set by",
                   "over problems x seeds (paired bootstrap)", "Welch bound (unpaired)"]
 
@@ -90,24 +101,45 @@ def _short(p: Paired) -> str:
     return "not established (sd 0)" if p.se == 0 else "difference detected" if p.detected else "no difference detected"
 
 
+def _eval_share(c: PairedComparison) -> tuple[str, str]:
+    """(the 'SE: eval set' cell, the 'bound set by' cell) of a comparison with a paired t: the floor of a count of
+    correct answers; for the eval AUC none (in the bootstrap); for the late reward none, the seeds hold it."""
+    p = c.seeds
+    if OUTCOMES[c.which].counts:
+        return f"{p.eval_floor:.3f}", "eval set" if p.eval_floor > p.se_seeds else "not known"
+    if c.which == "auc":
+        return "- (in the bootstrap)", "not known"
+    return "- (in the seeds)", "seeds"
+
+
 def _paired_rows(comparisons: list[PairedComparison]) -> list[list[str]]:
     rows = []
     for c in comparisons:
         welch = f"+-{c.welch.bound:.3f}" if c.welch is not None and c.welch.bound is not None else "-"
         p = c.seeds
         if p is None:
-            rows.append([c.label, c.which, "-", "-", "-", "-", "-", "-", "-", str(c.reason), "-", "-", welch])
+            rows.append([c.label, c.short, "-", "-", "-", "-", "-", "-", "-", str(c.reason), "-", "-", welch])
             continue
-        boot = "-" if c.which != "final" else verdict(c.problems) if c.problems else str(c.problems_reason)
-        rows.append([c.label, c.which, ", ".join(str(s) for s, _ in p.per_seed),
+        boot = ("-" if OUTCOMES[c.which].per_problem is None else verdict(c.problems) if c.problems
+                else str(c.problems_reason))
+        floor, bound_by = _eval_share(c)
+        rows.append([c.label, c.short, ", ".join(str(s) for s, _ in p.per_seed),
                      ", ".join(f"{d:+.3f}" for _, d in p.per_seed), f"{p.difference:+.3f}", f"{p.se_seeds:.3f}",
-                     f"{p.eval_floor:.3f}", f"[{p.low:+.3f}, {p.high:+.3f}]", f"{p.mde:.3f}", _short(p),
-                     "eval set" if p.eval_floor > p.se_seeds else "not known", boot, welch])
+                     floor, f"[{p.low:+.3f}, {p.high:+.3f}]", f"{p.mde:.3f}", _short(p), bound_by, boot, welch])
     return rows
 
 
-CELL_COLUMNS = ["cell", "status", "steps", "step-0 acc", "final acc", "best acc", "median k3", "changed", "s/step",
-                "notes / error"]
+CELL_COLUMNS = ["cell", "status", "steps", "step-0 acc", "final acc", "best acc", "eval AUC", "late reward",
+                "median k3", "changed", "s/step", "notes / error"]
+
+
+def outcomes_said(spec: ArenaSpec) -> str:
+    """One sentence on the long table's eval AUC and late reward columns (N from arena.late_steps or its default)."""
+    n = (f"N = {spec.late_steps} (arena.late_steps)" if spec.late_steps is not None
+         else "N = max(1, run.steps // 4) per cell")
+    return ("eval AUC: the trapezoid under the eval-accuracy curve from step 0 to the last step, divided by the steps "
+            "(the mean accuracy over the run: early learning weighs as much as the end); late reward: the mean "
+            f"training reward (reward/mean, sampled on training problems) of the last N steps, {n}.")
 
 
 def _arms_said(spec: ArenaSpec) -> list[str]:
@@ -122,16 +154,19 @@ def render_markdown(spec: ArenaSpec, state: ArenaState, results, aggregates, com
     out = [f"# Arena `{spec.path.name}`", "",
            f"Base config `{spec.base.name}`, seeds {list(spec.seeds)}, {len(spec.cells)} cells: {counts['done']} done, "
            f"{counts['diverged']} diverged, {counts['failed']} failed, "
-           f"{counts['pending'] + counts['running'] + counts['stopped']} not run. Machine time so far: "
+           f"{counts['pending'] + counts['running'] + counts['stopped']} not run"
+           f"{', %d skipped by the sequential rule' % counts['skipped'] if counts['skipped'] else ''}. "
+           f"Machine time so far: "
            f"{duration(state.seconds)} (wall time of every attempt). Accuracy: greedy, held-out, "
            f"{spec.cells[0].config.task.eval_size} problems; k3: token-mean KL(mu || pi_old) estimate, nats/token.",
            "", *_arms_said(spec), "", "## Final accuracy by correction and source (mean ± sd over seeds)", ""]
     out += _md_table(*_matrix(spec, aggregates))
     rows = [aggregate_row(a, spec.cells[0].config.task.eval_size) for a in aggregates]
-    out += ["", "## Every correction x source", ""] + _md_table(list(COLUMNS), rows)
+    out += ["", "## Every correction x source", "", outcomes_said(spec), ""] + _md_table(list(COLUMNS), rows)
     out += ["", f"## Paired comparisons: corrections against `{spec.baseline}`, sources against "
             f"`{spec.sources[0].name}`", "", METHOD, ""]
     out += _md_table(PAIRED_COLUMNS, _paired_rows(comparisons)) if comparisons else ["no comparison yet"]
+    out += sequential.page_markdown(spec)
     out += ["", "## Cells", ""] + _md_table(CELL_COLUMNS, _cell_rows(results))
     return "\n".join(out) + "\n"
 
@@ -180,9 +215,11 @@ def render_html(spec: ArenaSpec, state: ArenaState, results, aggregates, compari
             f"<h1>Arena {html.escape(spec.path.name)}</h1><p>base {html.escape(str(spec.base))}, seeds "
             f"{list(spec.seeds)}, {len(spec.cells)} cells</p><ul>{arms}</ul>"
             f"<h2>Final accuracy (mean ± sd over seeds)</h2>{_html_table(*_matrix(spec, aggregates))}"
-            f"<h2>Every correction x source</h2>{_html_table(list(COLUMNS), rows)}"
+            f"<h2>Every correction x source</h2><p>{html.escape(outcomes_said(spec))}</p>"
+            f"{_html_table(list(COLUMNS), rows)}"
             f"<h2>Paired comparisons: corrections against {html.escape(spec.baseline)}, sources against "
             f"{html.escape(spec.sources[0].name)}</h2><p>{html.escape(METHOD)}</p>{paired}"
+            f"{sequential.page_html(spec)}"
             f"<h2>Eval accuracy and k3 over steps</h2>{figures}"
             f"<h2>Cells</h2>{_html_table(CELL_COLUMNS, _cell_rows(results))}</body></html>\n")
 
@@ -202,7 +239,9 @@ def write_page(spec: ArenaSpec, state: ArenaState) -> list[str]:
         "corrections": [asdict(a) for a in spec.corrections], "sources": [asdict(a) for a in spec.sources],
         "machine_seconds": state.seconds, "aggregates": [asdict(a) for a in aggregates],
         "cells": [asdict(r) for r in results], "statements": statements,
-        "paired": [asdict(c) | {"label": c.label, "statement": c.statement()} for c in comparisons],
+        "late_steps": spec.late_steps, "outcomes": {name: o.label for name, o in OUTCOMES.items()},
+        "paired": [asdict(c) | {"label": c.label, "outcome": c.what, "statement": c.statement()}
+                   for c in comparisons],
         "paired_method": METHOD})
     (spec.out / "arena.html").write_text(render_html(spec, state, results, aggregates, comparisons))
     return warnings

@@ -7,7 +7,15 @@ diverged cell never runs again. A failed cell is recorded with its error and the
 stop the arena after the cell's step in progress (checkpointed), exit 130 / 143. While a cell runs, a progress line
 on stderr says which cell (i/N), its step and the arena's ETA, from the done cells' wall times (not the diverged
 ones'; before any is done: the running cell's pace, else the arena's estimates, marked "est."). Ray workers are
-not supported: cells run in this process, one at a time (each cell may still use rollout.backend = "ray" itself)."""
+not supported: cells run in this process, one at a time (each cell may still use rollout.backend = "ray" itself).
+
+Order: the arena's (corrections-major: every source and seed of the first correction first); with arena.sequential
+= true, seed-major (every cell of the first seed, then of the next), and after each seed from min_seeds on the
+sequential rule (sequential.py) looks at the first seeds' results: when every comparison is settled, the cells of the
+remaining seeds that are not done or diverged are recorded as "skipped" and the arena ends. The looks are recomputed
+from the stored results on every start (a deterministic function of them), so a restarted arena stops at the same
+seed, runs skipped cells only when the recomputed rule goes on to their seed, and writes OUT/arena-sequential.json
+(the looks and the stop) after each look."""
 
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from nearpolicy.arena import sequential
 from nearpolicy.arena.spec import ArenaSpec, Cell
 from nearpolicy.arena.state import FINAL, ArenaState
 from nearpolicy.arena.table import duration
@@ -162,12 +171,117 @@ def run_cell(spec: ArenaSpec, state: ArenaState, cell: Cell, position: str, todo
     return code
 
 
+def _run_cells(spec: ArenaSpec, state: ArenaState, order: list[Cell], first: int, last: int, say, train) -> int:
+    """Run order[first:last] that are not final yet, one after another; returns 0, 1 when one failed, or a
+    STOP_CODES code (a signal stopped the cell: the arena ends)."""
+    code = 0
+    for i in range(first, last):
+        cell, position = order[i], f"{i + 1}/{len(order)}"
+        if state.cells[cell.id].status in FINAL:
+            say(f"arena {position} {cell.id}: {state.cells[cell.id].status} earlier, not run again")
+            continue
+        todo = [c for c in order[i:] if state.cells[c.id].status not in FINAL]
+        cell_code = run_cell(spec, state, cell, position, todo, say, train)
+        if cell_code in STOP_CODES:
+            say(f"arena stopped at {cell.id}; run the same command again to continue it from its checkpoint")
+            return cell_code
+        if state.cells[cell.id].status == "failed":
+            code = 1
+    return code
+
+
+def rule_of(spec: ArenaSpec) -> sequential.Rule:
+    """The sequential rule of `spec` (arena.sequential = true): K looks from min_seeds of the seeds listed. Raises
+    ValueError when the arena has no sequential settings."""
+    if spec.sequential is None:
+        raise ValueError("the arena has arena.sequential = false: no sequential rule")
+    return sequential.Rule(len(spec.seeds), spec.sequential.min_seeds, spec.sequential.target_mde)
+
+
+def seed_major(spec: ArenaSpec, cells: list[Cell]) -> list[Cell]:
+    """`cells` seed by seed in arena.seeds' order (each seed's cells in the arena's order)."""
+    return sorted(cells, key=lambda c: spec.seeds.index(c.seed))
+
+
+def look(spec: ArenaSpec, state: ArenaState, rule: sequential.Rule, history: list, done: int) -> sequential.Decision:
+    """The rule's look after the first `done` seeds of arena.seeds: each comparison of comparisons.arm_pairs of the
+    arena.stop_on outcome, paired over those seeds' results only (later seeds' cells, if any ran, are left out),
+    judged at the rule's level and appended to `history`; returns sequential.decide's decision."""
+    from nearpolicy.arena.comparisons import arm_pairs, compare_paired
+    from nearpolicy.arena.table import arena_results
+
+    seeds = spec.seeds[:done]
+    results = [r for r in arena_results(spec, state)[0] if r.seed in seeds]
+    eval_size, which = spec.cells[0].config.task.eval_size, spec.sequential.stop_on
+    judgments = []
+    for arm, base in arm_pairs([c.name for c in spec.corrections], [s.name for s in spec.sources], spec.baseline):
+        paired = compare_paired(results, [], arm, base, which, eval_size)
+        judgments.append(sequential.judge(paired.label, paired.seeds, rule.level, rule.target_mde, paired.reason))
+    history.append(judgments)
+    return sequential.decide(rule, history, seeds)
+
+
+def _report(decision: sequential.Decision, prefix: str, target_mde: float, say) -> None:
+    for line in sequential.verdict_lines(decision, target_mde):
+        say(prefix + line)
+
+
+def _take_look(spec: ArenaSpec, state: ArenaState, rule: sequential.Rule, history: list,
+               decisions: list[sequential.Decision], done: int, say) -> bool:
+    """The look after `done` seeds: decide, record the skipped cells (state) and the looks (arena-sequential.json),
+    say the verdicts; returns whether the arena stops here (every comparison settled before the last seed)."""
+    decision = look(spec, state, rule, history, done)
+    decisions.append(decision)
+    where = (f"after {done} seeds ({', '.join(map(str, decision.seeds))}; look {decision.look} of {decision.looks}, "
+             f"level {decision.level:.4f})")
+    stops = decision.stop and done < len(spec.seeds)
+    skipped = None
+    if stops:
+        later = set(spec.seeds[done:])
+        skipped = [c.id for c in seed_major(spec, list(spec.cells))
+                   if c.seed in later and state.cells[c.id].status not in FINAL]
+        for cid in skipped:
+            state.cells[cid].status = "skipped"
+        state.save()
+    sequential.write_record(spec.out, sequential.record(rule, spec.sequential.stop_on, decisions, skipped))
+    if done == len(spec.seeds):
+        _report(decision, f"sequential: every seed run, {where}: ", rule.target_mde, say)
+    elif stops:
+        _report(decision, f"sequential stop {where}: ", rule.target_mde, say)
+        say(f"sequential stop: {len(skipped)} cell(s) of seed(s) {', '.join(map(str, spec.seeds[done:]))} recorded "
+            f"as skipped; the looks are in {spec.out / sequential.RECORD}")
+    else:
+        settled = sum(v.settled_at is not None for v in decision.verdicts)
+        say(f"sequential look {where}: {settled} of {len(decision.verdicts)} comparisons settled; going on to seed "
+            f"{spec.seeds[done]}")
+        _report(decision, "  ", rule.target_mde, say)
+    return stops
+
+
+def run_sequential(spec: ArenaSpec, state: ArenaState, chosen: list[Cell], say, train) -> int:
+    """Run `chosen` seed-major under the sequential rule (module docstring), a look after each seed from min_seeds
+    on; returns as _run_cells."""
+    rule, order = rule_of(spec), seed_major(spec, chosen)
+    history, decisions, code = [], [], 0
+    for done in range(len(spec.seeds) + 1):
+        if done >= rule.min_seeds and _take_look(spec, state, rule, history, decisions, done, say):
+            return code
+        mine = [i for i, c in enumerate(order) if done < len(spec.seeds) and c.seed == spec.seeds[done]]
+        if mine:
+            cell_code = _run_cells(spec, state, order, mine[0], mine[-1] + 1, say, train)
+            if cell_code in STOP_CODES:
+                return cell_code
+            code = max(code, cell_code)
+    return code
+
+
 def run_arena(spec: ArenaSpec, only: str | None = None, say: Callable[[str], None] | None = None,
               train: Callable | None = None) -> int:
-    """Run the cells of `spec` matching the glob `only` (all when None) that are not final yet, then write the
+    """Run the cells of `spec` matching the glob `only` (all when None) that are not final yet (in the arena's
+    order; seed-major under the sequential rule, which may skip the last seeds: module docstring), then write the
     arena page (page.write_page) over every cell run so far. `train(cfg, resume, log, progress) -> (exit code,
-    message)` defaults to api.run_training. Returns 0 when every selected cell is done or diverged, 1 when one
-    failed, 130 / 143 when a signal stopped the arena. Raises ArenaError for a changed arena (state.py) or an
+    message)` defaults to api.run_training. Returns 0 when every selected cell is done, diverged or skipped, 1 when
+    one failed, 130 / 143 when a signal stopped the arena. Raises ArenaError for a changed arena (state.py) or an
     --only that matches no cell."""
     from nearpolicy.arena.page import write_page
 
@@ -176,24 +290,15 @@ def run_arena(spec: ArenaSpec, only: str | None = None, say: Callable[[str], Non
     chosen = spec.select(only)
     state = ArenaState.open(spec.out, spec)
     state.save()
-    code = 0
-    for i, cell in enumerate(chosen):
-        position = f"{i + 1}/{len(chosen)}"
-        if state.cells[cell.id].status in FINAL:
-            say(f"arena {position} {cell.id}: {state.cells[cell.id].status} earlier, not run again")
-            continue
-        todo = [c for c in chosen[i:] if state.cells[c.id].status not in FINAL]
-        cell_code = run_cell(spec, state, cell, position, todo, say, train)
-        if cell_code in STOP_CODES:
-            code = cell_code
-            say(f"arena stopped at {cell.id}; run the same command again to continue it from its checkpoint")
-            break
-        if state.cells[cell.id].status == "failed":
-            code = 1
+    if spec.sequential is None:
+        code = _run_cells(spec, state, chosen, 0, len(chosen), say, train)
+    else:
+        code = run_sequential(spec, state, chosen, say, train)
     for warning in write_page(spec, state):
         say(f"warning: {warning}")
     counts = state.counts()
-    say(f"arena: {counts['done']} done, {counts['diverged']} diverged, {counts['failed']} failed, "
+    skipped = f"{counts['skipped']} skipped by the sequential rule, " if counts["skipped"] else ""
+    say(f"arena: {counts['done']} done, {counts['diverged']} diverged, {counts['failed']} failed, {skipped}"
         f"{counts['pending'] + counts['running'] + counts['stopped']} not run of {len(spec.cells)} cells; machine "
         f"time so far {duration(state.seconds)}; wrote {spec.out / 'arena.md'}, arena.json and arena.html")
     return code
@@ -204,21 +309,34 @@ def _count(items, noun: str) -> str:
 
 
 def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
-    """The cells `only` selects, each with its status (from a stored state, if any) and every override it gets
-    (arena.set, source, correction, [[override]]s, in the order applied), and the
-    estimated budget. Writes nothing. Raises ArenaError for a changed arena or an --only matching nothing."""
+    """The cells `only` selects (seed-major under the sequential rule), each with its status (from a stored state, if
+    any) and every override it gets (arena.set, source, correction, [[override]]s, in the order applied), the
+    estimated budget and, with arena.sequential = true, the rule (K looks, each look's level and multipliers, the
+    target MDE) and the fewest and most cells it runs. Writes nothing. Raises ArenaError for a changed arena or an
+    --only matching nothing."""
     chosen = spec.select(only)
     state = ArenaState.open(spec.out, spec)
-    todo = [c for c in chosen if state.cells[c.id].status not in FINAL]
+    rule = rule_of(spec) if spec.sequential is not None else None
+    if rule is not None:
+        chosen = seed_major(spec, chosen)
+    waiting = [c for c in chosen if rule is not None and state.cells[c.id].status == "skipped"]
+    todo = [c for c in chosen if state.cells[c.id].status not in FINAL and c not in waiting]
     steps = sum(cell_units(c)[0] for c in todo)
     samples = sum(cell_units(c)[0] * cell_units(c)[2] for c in todo)
     left, measured = eta_seconds(spec, state, todo, 0.0)
     lines = [f"# nearpolicy arena --dry-run {spec.path}: base {spec.base}, output {spec.out}; nothing was run",
              f"# {_count(spec.corrections, 'correction')} x {_count(spec.sources, 'source')} x "
-             f"{_count(spec.seeds, 'seed')} = {_count(spec.cells, 'cell')}; {len(chosen)} selected, {len(todo)} to run"]
+             f"{_count(spec.seeds, 'seed')} = {_count(spec.cells, 'cell')}; {len(chosen)} selected, {len(todo)} to run"
+             + (f" ({len(waiting)} skipped by the sequential rule: run only if it, recomputed, goes on to their seed)"
+                if waiting else "")]
+    if rule is not None:
+        first = sum(c.seed in spec.seeds[:rule.min_seeds] for c in chosen)
+        lines += [f"# {line}" for line in sequential.rule_lines(rule, spec.sequential.stop_on)]
+        lines.append(f"# sequential: at least {first} of the {len(chosen)} selected cells run (the first "
+                     f"{rule.min_seeds} seeds), at most all {len(chosen)}")
     for cell in chosen:
         lines.append(f"{cell.id:<40} {state.cells[cell.id].status:<9} {' '.join(cell.sets)}")
     basis = "from the done cells" if measured else "arena.step_seconds, eval_seconds, start_seconds"
     lines.append(f"# budget of the cells to run: {steps} training steps, {samples} samples; estimated "
-                 f"{duration(left)} ({basis})")
+                 f"{duration(left)} ({basis})" + (" at most (the rule may stop earlier)" if rule is not None else ""))
     return "\n".join(lines) + "\n"

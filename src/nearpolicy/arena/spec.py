@@ -11,6 +11,12 @@
     eval_seconds = 4.0
     start_seconds = 25.0
     vary = ["run.steps"]             # SAME_KEYS cells may differ in on purpose (default: none)
+    late_steps = 3                   # N of the outcome "mean training reward of the last N steps" (int >= 1, at
+                                     # most every cell's run.steps; default: max(1, run.steps // 4) per cell)
+    sequential = false               # true: run seed by seed, stop once every comparison is settled (sequential.py)
+    target_mde = 0.05                # a CI containing 0 with an MDE <= this settles as a null (in (0, 1); required)
+    min_seeds = 3                    # the first look after this many seeds (>= 3; the seeds listed are the most run)
+    stop_on = "final"                # the outcome the rule judges (one of comparisons.WHICH)
 
     [corrections]                    # the arms: a preset, --set overrides, or both
     off = { preset = "off" }
@@ -48,7 +54,7 @@ NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]|_(?!_))*(?<![._-])$")
 joins the names with '__', so no two cells can share a folder)."""
 OWNED_KEYS = ("run.seed", "run.name", "run.output_dir")
 ARENA_KEYS = ("base", "seeds", "set", "out", "baseline", "keep_checkpoints", "step_seconds", "eval_seconds",
-              "start_seconds", "vary")
+              "start_seconds", "vary", "late_steps", "sequential", "target_mde", "min_seeds", "stop_on")
 SAME_KEYS = ("run.steps", "logging.eval_every", "logging.eval_policy", "sampling.max_new_tokens",
              "algorithm.prompts_per_step", "algorithm.group_size")
 """The budget and the held-out eval: every cell must agree on these (and on every task.* key) unless arena.vary
@@ -106,9 +112,21 @@ class Estimates:
 
 
 @dataclass(frozen=True)
+class Sequential:
+    """arena.sequential = true's settings (sequential.py has the rule): a comparison of the `stop_on` outcome is
+    settled as a null when its CI contains 0 and its MDE is <= `target_mde`; looks start after `min_seeds` seeds."""
+
+    target_mde: float
+    min_seeds: int = 3
+    stop_on: str = "final"
+
+
+@dataclass(frozen=True)
 class ArenaSpec:
     """A parsed, validated arena: where it came from, its arms, seeds, output folder and cells (corrections-major:
-    every source and seed of the first correction first)."""
+    every source and seed of the first correction first). `sequential`: the sequential stopping settings (None:
+    off, every seed runs). `late_steps`: arena.late_steps, the N of the late-reward outcome (training steps; None:
+    arena/outcomes.default_late_steps of each cell's run.steps)."""
 
     path: Path
     base: Path
@@ -120,6 +138,8 @@ class ArenaSpec:
     keep_checkpoints: bool
     estimates: Estimates
     cells: tuple[Cell, ...] = field(default=())
+    late_steps: int | None = None
+    sequential: Sequential | None = None
 
     def select(self, only: str | None) -> list[Cell]:
         """The cells whose id matches the glob `only` (fnmatch; None: all). Raises ArenaError when none does."""
@@ -253,7 +273,51 @@ def load_arena(path: Path, out: Path | None = None) -> ArenaSpec:
         raise ArenaError(f"arena.base: {err}") from None
     cells = _cells(spec, base_data, common, _overrides(data.get("override", [])))
     _same_eval(cells, _vary(arena.get("vary", [])))
-    return replace(spec, cells=tuple(cells))
+    return replace(spec, cells=tuple(cells), late_steps=_late_steps(arena.get("late_steps"), cells),
+                   sequential=_sequential(arena, len(spec.seeds)))
+
+
+def _sequential(arena: dict, seeds: int) -> Sequential | None:
+    """arena.sequential's settings when it is true (None when false or absent); target_mde, min_seeds and stop_on
+    are validated either way. Raises ArenaError naming the key: sequential not a boolean, target_mde not in (0, 1)
+    (or missing with sequential = true), min_seeds not an integer >= 3 (and, when on, at most the seeds listed),
+    stop_on not an outcome of comparisons.WHICH."""
+    from nearpolicy.arena.comparisons import WHICH  # read at run time: the outcomes may grow; imports spec.py
+
+    on = arena.get("sequential", False)
+    if not isinstance(on, bool):
+        raise ArenaError(f"arena.sequential must be true or false, got {on!r}")
+    target = arena.get("target_mde")
+    if target is None and on:
+        raise ArenaError("arena.target_mde is required with arena.sequential = true: the MDE (accuracy units, in "
+                         "(0, 1), e.g. 0.05) at which a comparison whose CI contains 0 counts as settled")
+    if target is not None and not (isinstance(target, (int, float)) and not isinstance(target, bool)
+                                   and 0 < target < 1):
+        raise ArenaError(f"arena.target_mde must be a number in (0, 1) (an MDE in accuracy units), got {target!r}")
+    least = arena.get("min_seeds", 3)
+    if not (isinstance(least, int) and not isinstance(least, bool) and 3 <= least <= (seeds if on else least)):
+        raise ArenaError(f"arena.min_seeds must be an integer >= 3 and at most the {seeds} seeds listed in "
+                         f"arena.seeds (the first look is after min_seeds seeds), got {least!r}")
+    stop_on = arena.get("stop_on", "final")
+    if stop_on not in WHICH:
+        raise ArenaError(f"arena.stop_on must be one of {', '.join(WHICH)} (the outcome the rule judges), "
+                         f"got {stop_on!r}")
+    return Sequential(float(target), least, stop_on) if on else None
+
+
+def _late_steps(value: Any, cells: list[Cell]) -> int | None:
+    """arena.late_steps (None when not set). Raises ArenaError unless it is an integer >= 1 and at most every
+    cell's run.steps (the late reward averages that many of the cell's training steps)."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ArenaError(f"arena.late_steps must be an integer >= 1 (the last training steps whose mean reward is an "
+                         f"outcome), got {value!r}")
+    shortest = min(cells, key=lambda c: c.config.run.steps)
+    if value > shortest.config.run.steps:
+        raise ArenaError(f"arena.late_steps = {value} is more than cell {shortest.id}'s run.steps = "
+                         f"{shortest.config.run.steps}: the late reward averages the last late_steps training steps")
+    return value
 
 
 def _vary(value: Any) -> frozenset[str]:

@@ -7,7 +7,9 @@ renamed over the old one) after every change, so a kill at any moment leaves the
 A cell's status: pending (never started), running (started; a kill left it so), done, diverged (the run failed
 with non-finite steps or weights: a result, kept), failed (an infrastructure failure: the engine died, the run
 could not start, an unexpected error; tried again on the next start), stopped (SIGINT / SIGTERM; continued on the
-next start). done and diverged cells are final: never run again. Cells added to the arena since (a wider grid:
+next start), skipped (arena.sequential's rule stopped the arena before the cell's seed: sequential.py; run again
+only where the rule, recomputed on the next start, goes on to that seed, or with arena.sequential = false). done and
+diverged cells are final: never run again. Cells added to the arena since (a wider grid:
 another correction, source or seed) join as pending; a state whose arena differs otherwise (a cell removed or with
 a different config, another base) is refused, naming what changed."""
 
@@ -23,7 +25,7 @@ from nearpolicy.runs.folder import write_json
 STATE = "arena-state.json"
 FORMAT = 1
 FINAL = ("done", "diverged")
-STATUSES = ("pending", "running", "done", "diverged", "failed", "stopped")
+STATUSES = ("pending", "running", "done", "diverged", "failed", "stopped", "skipped")
 
 
 @dataclass

@@ -8,7 +8,9 @@ the median over training steps of mismatch/k3 (token-mean k3 estimate of KL(mu |
 steps of the fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps
 included); each eval problem's reward at the last step (`final_outcomes`, for paired.py's bootstrap;
 `outcomes_recorded` counts the problems recorded) from eval_outcomes.jsonl, or else from samples.jsonl when that
-records every problem (runs/samples.py). A cell "diverged" when its run stopped on non-finite steps or weights (the
+records every problem (runs/samples.py); the eval AUC (`auc_accuracy`: the eval-accuracy curve's mean over the
+run's steps, each problem's in `auc_outcomes`) and the mean training reward of the last N steps (`late_reward`,
+N = `late_steps`), outcomes.py's. A cell "diverged" when its run stopped on non-finite steps or weights (the
 bad-step guard), or when its accuracy collapsed (`collapsed`: the final accuracy below half the step-0 accuracy, by
 more than twice the binomial standard error of the difference on the eval set)."""
 
@@ -18,6 +20,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from nearpolicy.arena.outcomes import auc_accuracy, auc_outcomes, default_late_steps, eval_curve, late_reward
 from nearpolicy.arena.paired import t975
 from nearpolicy.arena.spec import ArenaSpec, Cell
 from nearpolicy.arena.state import ArenaState, CellRecord
@@ -75,6 +78,10 @@ class CellResult:
     k3: list[tuple[int, float]] = field(default_factory=list)
     outcomes_recorded: int = 0
     final_outcomes: list[float | None] | None = None
+    auc_accuracy: float | None = None
+    auc_outcomes: list[float | None] | None = None
+    late_reward: float | None = None
+    late_steps: int | None = None
 
 
 def duration(seconds: float) -> str:
@@ -134,9 +141,10 @@ def final_outcomes(cell: Cell, final: float | None) -> tuple[int, list[float | N
     return recorded, outcomes, warnings
 
 
-def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
+def cell_result(cell: Cell, record: CellRecord, late_steps: int | None = None) -> tuple[CellResult, list[str]]:
     """(the cell's numbers, warnings from reading its metrics). A cell never run, or without metrics, has only its
-    status."""
+    status. `late_steps`: N of the late reward (arena.late_steps; None: outcomes.default_late_steps of the cell's
+    run.steps). Raises ValueError when it is below 1 or above the cell's run.steps."""
     result = CellResult(cell.id, cell.correction, cell.source, cell.seed, record.status, record.failure, record.error,
                         seconds=record.seconds)
     if not (cell.run_dir / METRICS).exists():
@@ -152,6 +160,12 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
     result.initial_accuracy = _eval_at(rows, 0, result.notes)
     result.final_accuracy = _eval_at(rows, cell.config.run.steps, result.notes)
     result.outcomes_recorded, result.final_outcomes, problems = final_outcomes(cell, result.final_accuracy)
+    steps = cell.config.run.steps
+    curve = eval_curve(rows, steps, result.notes)
+    result.auc_accuracy = auc_accuracy(curve, steps)
+    result.auc_outcomes, auc_problems = auc_outcomes(cell, curve, result.auc_accuracy)
+    result.late_steps = late_steps if late_steps is not None else default_late_steps(steps)
+    result.late_reward = late_reward(train, steps, result.late_steps, result.notes)
     if result.accuracy:
         result.best_accuracy = max(v for _, v in result.accuracy)
     if result.k3:
@@ -163,7 +177,7 @@ def cell_result(cell: Cell, record: CellRecord) -> tuple[CellResult, list[str]]:
         result.diverged = True
     elif record.status == "done" and None not in (result.initial_accuracy, result.final_accuracy):
         result.diverged = collapsed(result.initial_accuracy, result.final_accuracy, cell.config.task.eval_size)
-    return result, log.warnings + problems
+    return result, log.warnings + problems + auc_problems
 
 
 @dataclass
@@ -173,7 +187,8 @@ class Aggregate:
     step time. `n` counts the seeds with a final accuracy (those in the means); `failed` the seeds whose cell failed
     or has not run; `finished` the seeds done or diverged, `diverged` of them how many diverged (stopped or
     collapsed), `diverged_in_mean` how many diverged seeds are in the means (a collapse, or a stop at the last step):
-    the page marks those means."""
+    the page marks those means. `auc` and `late_reward`: (mean, sd) of the eval AUC and the late reward over the
+    finished seeds that have one, `auc_n` and `late_reward_n` of them."""
 
     correction: str
     source: str
@@ -188,6 +203,10 @@ class Aggregate:
     failed: int
     finished: int = 0
     diverged_in_mean: int = 0
+    auc: tuple[float | None, float | None] = (None, None)
+    late_reward: tuple[float | None, float | None] = (None, None)
+    auc_n: int = 0
+    late_reward_n: int = 0
 
 
 def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
@@ -197,17 +216,20 @@ def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def aggregate(results: list[CellResult], correction: str, source: str) -> Aggregate:
+    """The Aggregate of one correction x source over its cells in `results`."""
     mine = [r for r in results if r.correction == correction and r.source == source]
     finished = [r for r in mine if r.status in ("done", "diverged")]
     scored = [r for r in finished if r.final_accuracy is not None]
     k3 = [v for r in scored for _, v in r.k3]
+    auc = [r.auc_accuracy for r in finished if r.auc_accuracy is not None]
+    late = [r.late_reward for r in finished if r.late_reward is not None]
     return Aggregate(correction, source, len(mine), len(scored), _mean_sd([r.final_accuracy for r in scored]),
                      _mean_sd([r.best_accuracy for r in scored]), sum(bool(r.diverged) for r in finished),
                      statistics.median(k3) if k3 else None,
                      _mean([r.changed_fraction for r in scored if r.changed_fraction is not None]),
                      _mean([r.step_seconds for r in scored if r.step_seconds is not None]),
                      sum(r.status not in ("done", "diverged") for r in mine), len(finished),
-                     sum(bool(r.diverged) for r in scored))
+                     sum(bool(r.diverged) for r in scored), _mean_sd(auc), _mean_sd(late), len(auc), len(late))
 
 
 MIN_SEEDS = 3  # seeds per arm below which no difference is claimed
@@ -279,7 +301,7 @@ def arena_results(spec: ArenaSpec, state: ArenaState) -> tuple[list[CellResult],
     """(every cell's result, every correction x source aggregate in the arena's order, warnings)."""
     results, warnings = [], []
     for cell in spec.cells:
-        result, problems = cell_result(cell, state.cells[cell.id])
+        result, problems = cell_result(cell, state.cells[cell.id], spec.late_steps)
         results.append(result)
         warnings += [f"{cell.id}: {p}" for p in problems]
     aggregates = [aggregate(results, c.name, s.name) for c in spec.corrections for s in spec.sources]

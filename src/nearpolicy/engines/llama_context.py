@@ -216,12 +216,32 @@ class KVContext:
                                              len(s.request.prompt_ids)) for s in seqs if s.seq_id >= 0})
 
 
+SHARED_PREFIX_MIN = 8  # fewer shared prompt tokens than this are prefilled per prompt (the copy is not worth it)
+
+
+def shared_prefix_length(prompts: list[tuple[int, ...]]) -> int:
+    """The number of leading ids every prompt shares, at most the shortest prompt's length - 1 (each prompt keeps
+    one id of its own, whose logits start its completion); 0 for no prompts."""
+    if not prompts:
+        return 0
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
 def greedy_continuous(ctx: KVContext, prompts: list[tuple[int, ...]], max_new_tokens: int,
                       is_stop: Callable[[int], bool], kv_reuse: bool) -> list[list[int]]:
     """Argmax completions [len(prompts)] of at most `max_new_tokens` ids each (the stop id included when emitted),
     decoded ctx.n_seq at a time with continuous batching: a finished sequence's slot is cleared and refilled with the
     next prompt, whose prefill joins the next decode call, so the batch stays full until the queue drains. The first
     ctx.n_seq prompts may continue cached sequences (`kv_reuse`); later ones are prefilled from scratch.
+    When no prompt continues a cache and every prompt starts with the same SHARED_PREFIX_MIN or more ids (a task's
+    system prompt and chat template: 43 of chain_sum's 54 tokens on SmolLM2), that prefix is evaluated once into the
+    spare stream and copied into each sequence's stream (llama_memory_seq_cp), so each prompt prefills only its own
+    tail: the eval's prefill shrinks by the shared share (docs/results.md sec. 2).
     With kv_cache = "f16" llama.cpp's logits depend slightly on how a prompt is split across decode calls (up to
     about 0.6 in a logit, measured on SmolLM2), so a near-tie may resolve differently with other prompts in flight;
     at f32 KV the result does not depend on the batch."""
@@ -230,7 +250,8 @@ def greedy_continuous(ctx: KVContext, prompts: list[tuple[int, ...]], max_new_to
         return [[] for _ in seqs]
     queue = deque(seqs[ctx.n_seq :])
     active = seqs[: ctx.n_seq]
-    logits = ctx.prefill(active, kv_reuse)
+    shared = _shared_prefix(ctx, [tuple(p) for p in prompts], kv_reuse)
+    logits = ctx.prefill(active, kv_reuse) if not shared else _prefill_tails(ctx, active, shared)
     while active:
         for s, tok in zip(active, np.argmax(logits, axis=1).tolist()):
             s.ids.append(tok)
@@ -243,18 +264,53 @@ def greedy_continuous(ctx: KVContext, prompts: list[tuple[int, ...]], max_new_to
             if not queue:
                 break
             ctx.clear_slot(slot)
+            if shared:
+                ctx.copy_stream(ctx.spare, slot)
             admitted.append(queue.popleft())
             admitted[-1].seq_id = slot
         ctx.keep([s for s in done if s.seq_id not in {a.seq_id for a in admitted}])
         if not admitted:  # the queue has drained: keep the live streams consecutive (KVContext.pack)
-            ctx.pack(active, [])
+            ctx.pack(active, [])  # may swap through the spare stream: the shared prefix is not needed any more
         fresh = {id(s) for s in admitted}
         active = sorted(active + admitted, key=lambda s: s.seq_id)  # llama.cpp takes consecutive streams in order
         entries = []
         for s in active:  # one logits row each: the last sampled id, or an admitted prompt's last token
             p = s.request.prompt_ids
-            entries += ([(t, i, s.seq_id, i == len(p) - 1) for i, t in enumerate(p)] if id(s) in fresh
+            entries += ([(t, i, s.seq_id, i == len(p) - 1) for i, t in enumerate(p) if i >= shared] if id(s) in fresh
                         else [(s.ids[-1], s.next_pos, s.seq_id, True)])
         if active:
             logits = ctx.decode(entries)
+    if shared:
+        ctx.clear_slot(ctx.spare)
     return [s.ids for s in seqs]
+
+
+def _shared_prefix(ctx: KVContext, prompts: list[tuple[int, ...]], kv_reuse: bool) -> int:
+    """How many leading prompt ids greedy_continuous evaluates once for all prompts: shared_prefix_length when the
+    context has a spare stream to hold them, it is at least SHARED_PREFIX_MIN, and no prompt of the first wave would
+    continue a kept cache (a continuation reuses more); else 0."""
+    if ctx.unified or ctx.spare is None:
+        return 0
+    n = shared_prefix_length(prompts)
+    if n < SHARED_PREFIX_MIN:
+        return 0
+    first = prompts[: ctx.n_seq]
+    if kv_reuse and any(plan_slots(ctx.cached, first, [True] * len(first), ctx.n_seq).reused):
+        return 0
+    return n
+
+
+def _prefill_tails(ctx: KVContext, seqs: list[Seq], shared: int) -> np.ndarray:
+    """The first wave of greedy_continuous with a shared prefix: the prefix's ids into the spare stream (no logits),
+    copied into streams 0..len(seqs)-1, then every prompt's tail from position `shared` in one decode call (llama.cpp
+    runs queued stream copies before it); returns the last prompt token's logits row per sequence [n, V]."""
+    ctx.reset()
+    prefix = seqs[0].request.prompt_ids[:shared]
+    ctx.decode([(t, i, ctx.spare, False) for i, t in enumerate(prefix)])
+    entries = []
+    for slot, s in enumerate(seqs):
+        s.seq_id = slot
+        ctx.copy_stream(ctx.spare, slot)
+        p = s.request.prompt_ids
+        entries += [(t, i, slot, i == len(p) - 1) for i, t in enumerate(p) if i >= shared]
+    return ctx.decode(entries)
