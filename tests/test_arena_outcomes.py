@@ -309,3 +309,26 @@ def test_the_page_shows_every_outcome_and_arena_json_keeps_the_numbers(tmp_path)
     assert "| off | q8 | 3/3 | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.250 ± 0.000 | 0.300 ± 0.050 |" in md
     assert "N = 2 (arena.late_steps)" in md and "Two less noisy outcomes" in md
     assert "late reward (last 2 steps)" in (tmp_path / "out" / "arena.html").read_text()
+
+
+def test_a_cell_reports_its_truncated_share_and_a_note_above_the_limit(tmp_path):
+    """Issue 37 item 2: the token budget must cut few responses; the page shows each cell's mean over steps of
+    response/frac_truncated and notes a cell above TRUNCATION_LIMIT (10 %)."""
+    from nearpolicy.arena.table import TRUNCATION_LIMIT
+
+    spec = _spec(tmp_path)
+    low, high = spec.cells[0], spec.cells[1]
+    shares = {low.id: [0.0, 0.1, 0.05, 0.05] + [0.1] * 6, high.id: [0.5, 0.25, 0.0, 0.05] + [0.1] * 6}  # 10 steps
+    for cell in (low, high):
+        _write(cell, {0: 0.5, 10: 0.75}, {s: 0.5 for s in range(1, 11)})
+        rows = [json.loads(line) for line in (cell.run_dir / "metrics.jsonl").read_text().splitlines()]
+        for row in rows:
+            if "reward/mean" in row:
+                row["response/frac_truncated"] = shares[cell.id][row["step"] - 1]
+        (cell.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = {c.id: cell_result(c, CellRecord(status="done"))[0] for c in (low, high)}
+    assert results[low.id].truncated == pytest.approx(0.08, abs=1e-12)  # (0.2 + 0.6) / 10
+    assert results[high.id].truncated == pytest.approx(0.14, abs=1e-12)  # (0.8 + 0.6) / 10
+    assert not any("training responses cut" in n for n in results[low.id].notes)
+    assert any("14 % of its training responses cut" in n for n in results[high.id].notes)
+    assert TRUNCATION_LIMIT == 0.10

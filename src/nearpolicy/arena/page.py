@@ -88,7 +88,8 @@ def _cell_rows(results: list[CellResult]) -> list[list[str]]:
     return [[r.id, r.status + (f" ({r.failure})" if r.failure else ""), str(r.steps), _num(r.initial_accuracy),
              _num(r.final_accuracy), _num(r.best_accuracy), _num(r.auc_accuracy), _num(r.late_reward),
              _num(r.k3_median, ".2e"),
-             "-" if r.changed_fraction is None else f"{100 * r.changed_fraction:.2f} %", _num(r.step_seconds, ".1f"),
+             "-" if r.changed_fraction is None else f"{100 * r.changed_fraction:.2f} %",
+             "-" if r.truncated is None else f"{100 * r.truncated:.0f} %", _num(r.step_seconds, ".1f"),
              "; ".join(r.notes + ([r.error.splitlines()[-1][:160]] if r.error else []))] for r in results]
 
 
@@ -130,7 +131,7 @@ def _paired_rows(comparisons: list[PairedComparison]) -> list[list[str]]:
 
 
 CELL_COLUMNS = ["cell", "status", "steps", "step-0 acc", "final acc", "best acc", "eval AUC", "late reward",
-                "median k3", "changed", "s/step", "notes / error"]
+                "median k3", "changed", "truncated", "s/step", "notes / error"]
 
 
 def outcomes_said(spec: ArenaSpec) -> str:

@@ -5,8 +5,9 @@ paired analysis is comparisons.py's).
 Per cell (CellResult): eval/accuracy (greedy, held-out) at step 0, at the cell's last step (run.steps; missing or
 non-finite there: None, shown as n/a and said in the cell's notes, never an earlier eval in its place) and its best;
 the median over training steps of mismatch/k3 (token-mean k3 estimate of KL(mu || pi_old), nats/token); the mean over
-steps of the fraction of tokens the correction changed (`changed_fraction`); the mean time/step (seconds, eval steps
-included); each eval problem's reward at the last step (`final_outcomes`, for paired.py's bootstrap;
+steps of the fraction of tokens the correction changed (`changed_fraction`); the mean over steps of the fraction of
+training responses cut at sampling.max_new_tokens (`truncated`, response/frac_truncated; above TRUNCATION_LIMIT the
+cell gets a note); the mean time/step (seconds, eval steps included); each eval problem's reward at the last step (`final_outcomes`, for paired.py's bootstrap;
 `outcomes_recorded` counts the problems recorded) from eval_outcomes.jsonl, or else from samples.jsonl when that
 records every problem (runs/samples.py); the eval AUC (`auc_accuracy`: the eval-accuracy curve's mean over the
 run's steps, each problem's in `auc_outcomes`) and the mean training reward of the last N steps (`late_reward`,
@@ -27,6 +28,7 @@ from nearpolicy.arena.state import ArenaState, CellRecord
 from nearpolicy.runs.folder import METRICS, RunFolderError, finite_points, is_finite_number, read_metrics
 from nearpolicy.runs.samples import OUTCOMES, SAMPLES, read_outcomes, read_samples
 
+TRUNCATION_LIMIT = 0.10  # a cell cutting more of its training responses at the token budget gets a note
 COLLAPSE = 0.5  # final accuracy below this fraction of the step-0 accuracy (and significantly lower) is a collapse
 
 
@@ -72,6 +74,7 @@ class CellResult:
     k3_median: float | None = None
     changed_fraction: float | None = None
     step_seconds: float | None = None
+    truncated: float | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     accuracy: list[tuple[int, float]] = field(default_factory=list)
@@ -173,6 +176,11 @@ def cell_result(cell: Cell, record: CellRecord, late_steps: int | None = None) -
     action = cell.config.correction.spec().action
     result.changed_fraction = _mean([f for r in train if (f := changed_fraction(r, action)) is not None])
     result.step_seconds = _mean([v for _, v in finite_points(train, "time/step")])
+    result.truncated = _mean([v for _, v in finite_points(train, "response/frac_truncated")])
+    if result.truncated is not None and result.truncated > TRUNCATION_LIMIT:
+        result.notes.append(f"{100 * result.truncated:.0f} % of its training responses cut at "
+                            f"sampling.max_new_tokens = {cell.config.sampling.max_new_tokens} (above "
+                            f"{100 * TRUNCATION_LIMIT:.0f} %: the budget shapes what is learned)")
     if record.status == "diverged":
         result.diverged = True
     elif record.status == "done" and None not in (result.initial_accuracy, result.final_accuracy):
