@@ -26,8 +26,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def http_stub(handle):
-    """Serve `handle(method, path, body dict | None) -> (status, payload)` (payload: dict -> JSON, bytes as is, or
-    ("sleep", seconds, payload)) on a free port; yields the base URL. Records every request in `.requests`."""
+    """Serve `handle(method, path, body dict | None) -> (status, payload)` (payload: dict -> JSON, bytes as is,
+    ("sleep", seconds, payload), ("cut", bytes): that much of a longer body, then the connection closes, or
+    ("close",): the connection closes with no answer) on a free port; yields the base URL and the list of requests
+    (method, path, body)."""
     requests: list[tuple[str, str, dict | None]] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -39,10 +41,14 @@ def http_stub(handle):
             if isinstance(payload, tuple) and payload[0] == "sleep":
                 time.sleep(payload[1])
                 payload = payload[2]
-            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            self.close_connection = isinstance(payload, tuple)
+            if payload == ("close",):
+                return
+            data = payload[1] if isinstance(payload, tuple) else payload
+            data = data if isinstance(data, bytes) else json.dumps(data).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Length", str(len(data) + (1000 if isinstance(payload, tuple) else 0)))
             self.end_headers()
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 self.wfile.write(data)

@@ -83,6 +83,14 @@ def test_bad_answers_are_errors_that_name_their_cause(answer, cause, words):
     assert err.cause == cause and words in str(err)
 
 
+def test_a_connection_closed_before_or_during_the_answer_is_truncated():
+    body = json.dumps(_choice()).encode()
+    cut = _error(("cut", body[: len(body) // 2]))
+    assert cut.cause == "truncated" and "mid-answer" in str(cut)
+    closed = _error(("close",))
+    assert closed.cause == "truncated" and "closed" in str(closed).lower()
+
+
 def test_lengths_that_disagree_are_malformed():
     answer = _choice()
     answer["choices"][0]["logprobs"]["token_logprobs"].pop()
@@ -90,8 +98,13 @@ def test_lengths_that_disagree_are_malformed():
 
 
 def test_http_errors_carry_the_servers_message_and_slow_servers_time_out():
+    err = _error({"error": {"message": "engine overloaded"}}, 503)
+    assert err.cause == "http" and "engine overloaded" in str(err) and "HTTP 503" in str(err)
+    # llama-cpp-python started with --logits_all false; vLLM asked for more than --max-logprobs
     err = _error({"error": {"message": "logprobs is not supported for models created with logits_all=False"}}, 500)
-    assert err.cause == "http" and "logits_all=False" in str(err) and "HTTP 500" in str(err)
+    assert err.cause == "no_logprobs" and "logits_all=False" in str(err) and "HTTP 500" in str(err)
+    err = _error({"error": {"message": "Requested sample logprobs of 21, which is greater than max allowed: 20"}}, 400)
+    assert err.cause == "no_logprobs" and "max allowed: 20" in str(err)
     err = _error(("sleep", 2.0, _choice()), timeout_s=0.5)
     assert err.cause == "timeout" and "0.5 s" in str(err)
     with pytest.raises(EndpointError) as down:
@@ -184,3 +197,19 @@ def test_cli_refuses_local_options_and_reports_an_unreachable_server_as_exit_2(t
     assert json.loads((tmp_path / "r.json").read_text())["error"]["cause"] == "unreachable"
     bad = subprocess.run(base + ["--top-logprobs", "50"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--top-logprobs must be in [0, 20]" in bad.stderr
+
+
+def test_an_unexpected_error_is_no_verdict_never_a_rejection(monkeypatch, tmp_path, capsys):
+    """A bug inside the measurement must not exit 1, which a CI gate reads as "rejected"."""
+    from nearpolicy import cli
+    from nearpolicy.diagnosis import endpoint
+
+    def broken(cfg, settings, log=print):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(endpoint, "run_endpoint_diagnosis", broken)
+    code = cli.main(["diagnose", "--endpoint", "http://127.0.0.1:9", "--json", str(tmp_path / "r.json"),
+                     "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 2 and report["verdict"] is None and report["error"]["cause"] == "internal"
+    assert "KeyError" in report["error"]["message"] and "Traceback" in capsys.readouterr().err

@@ -11,11 +11,14 @@ what a request leaves out with their own defaults (llama-cpp-python: temperature
 repeat penalty 1.1; vLLM: the model's generation_config.json).
 
 Every failure raises EndpointError with a `cause` ("unreachable", "timeout", "http", "no_logprobs", "malformed",
-"truncated", "model") and a message naming it; nothing partial is returned. Stdlib only (urllib, threads).
+"truncated", "model") and a message naming it; nothing partial is returned. An HTTP error whose message is about
+log-probs (llama-cpp-python started with --logits_all false, more top log-probs than vLLM's --max-logprobs) is
+"no_logprobs"; a connection closed before or during the answer is "truncated". Stdlib only (urllib, threads).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import re
@@ -104,9 +107,14 @@ class EndpointClient:
             if isinstance(err.reason, (TimeoutError, socket.timeout)):
                 raise EndpointError("timeout", f"{method} {url} gave no answer within {self.timeout_s:g} s "
                                                "(--timeout)") from None
+            if isinstance(err.reason, ConnectionResetError):  # accepted, then closed without an answer
+                raise EndpointError("truncated", f"{method} {url}: the server closed the connection without an "
+                                                 f"answer ({err.reason})") from None
             raise EndpointError("unreachable", f"{method} {url}: {err.reason}") from None
-        except (ConnectionError, OSError) as err:  # reset or closed mid-answer
-            raise EndpointError("truncated", f"{method} {url}: the connection broke mid-answer ({err})") from None
+        except (ConnectionError, OSError, http.client.IncompleteRead) as err:  # reset or closed mid-answer
+            raise EndpointError("truncated", f"{method} {url}: the connection broke mid-answer ({err!r})") from None
+        except http.client.HTTPException as err:  # not HTTP at all
+            raise EndpointError("malformed", f"{method} {url}: not an HTTP answer ({err!r})") from None
         try:
             return json.loads(raw)
         except ValueError:
@@ -174,7 +182,15 @@ class EndpointClient:
                 "seed": r.seed, "n": 1, "logprobs": r.top_logprobs, "echo": False, "stream": False,
                 "stop_token_ids": list(r.stop_ids), "skip_special_tokens": False,
                 "spaces_between_special_tokens": False, "return_token_ids": True, "return_tokens_as_token_ids": True}
-        answer = self._call("POST", f"{self.v1}/completions", body)
+        try:
+            answer = self._call("POST", f"{self.v1}/completions", body)
+        except EndpointError as err:  # a server that refuses log-probs says so in an HTTP error
+            said = str(err).lower()
+            if err.cause == "http" and "logprob" in said and "prompt" not in said:
+                raise EndpointError("no_logprobs", f"the server refused per-token log-probs ({err}); "
+                                    "llama-cpp-python needs --logits_all true, vLLM --max-logprobs >= --top-logprobs") \
+                    from None
+            raise
         return parse_choice(answer, r, "text" if as_text else "ids")
 
 

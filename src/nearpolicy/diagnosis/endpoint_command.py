@@ -2,13 +2,15 @@
 
 Exit status (a CI gate, docs/diagnose.md): 0 admitted, 1 rejected (k3 over the budget, or a failed check), 2 no
 verdict (a bad option or config, an unreachable server, a timeout, no log-probs, a different tokenizer, a truncated
-or malformed answer). `--json PATH` gets the report, or on exit 2 `{"verdict": null, "error": {...}}`."""
+or malformed answer, or an unexpected error: cause "internal", never exit 1). `--json PATH` gets the report, or on
+exit 2 `{"verdict": null, "error": {"cause": ..., "message": ...}}`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 LOCAL_ONLY = ("candidates", "sensitivity", "propose", "budget_floor_multiple")
@@ -76,6 +78,9 @@ def endpoint_command(args: argparse.Namespace) -> int:
         return _fail(args, f"{err} (no verdict: nothing was measured in full)", err.cause)
     except (ValueError, OSError) as err:
         return _fail(args, str(err), "usage")
+    except Exception as err:  # noqa: BLE001 - a bug must not read as exit 1 ("rejected") to a CI gate
+        traceback.print_exc()
+        return _fail(args, f"{type(err).__name__}: {err} (an unexpected error, traceback above)", "internal")
     from nearpolicy.runs.folder import write_json
 
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Checks of an engine's sampling distribution that go past the sampled token's log-prob (docs/math.md sec. 22).
+"""Checks of an engine's sampling distribution that go past the sampled token's log-prob (docs/diagnose.md).
 
 The engine (mu, q) sampled the tokens; the reference (pi, p) is the trainer's model on the same token ids. Three
 checks, each a pure function of tensors:
