@@ -1,5 +1,5 @@
-"""`nearpolicy arena ARENA.toml [--out DIR] [--dry-run] [--only CELL_GLOB] [--page]`: the sub-command's parser
-and handler (cli.py adds it)."""
+"""`nearpolicy arena ARENA.toml [--out DIR] [--dry-run] [--only CELL_GLOB] [--page] [--workers N]`: the
+sub-command's parser and handler (cli.py adds it)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,24 @@ DESCRIPTION = """\
 Run a grid of ordinary training runs from one base config: corrections x mismatch sources x seeds (the ARENA.toml
 file; format in docs/arena.md, the shipped grid in configs/arena.toml). Every cell is a validated config (the base
 file with the arena's --set overrides), trained with the same data order per seed, budget and held-out eval. Cells
-run one after another in this process; Ray workers are not supported (a cell's own rollout.backend = "ray" still
-works). The state is kept in OUT/arena-state.json: run the same command again after an interruption and finished
-cells are skipped, an interrupted cell resumes from its last checkpoint, a failed one is tried again; a changed
-arena file is refused, naming what changed. A failed cell is recorded (divergence: non-finite steps; else an
-infrastructure failure) and the arena goes on. At the end (and after an interruption) OUT/arena.md, arena.json and a
-self-contained arena.html hold the table (final and best held-out accuracy as mean +- sd over seeds, diverged, median
-k3, fraction of tokens the correction changed, step time), every comparison paired by seed (difference, 95 % CI,
-minimum detectable difference at 80 % power; a CI containing 0 is "no difference detected"), and plots of eval
-accuracy and k3 over steps. Progress (cell i/N, its step, the arena's ETA) goes to stderr; each cell's
-start-up log to OUT/logs/CELL.log.
+run one after another in this process, or with --workers N up to N at a time, each in a child process (this process
+keeps the state and forwards SIGINT / SIGTERM to them; a child that crashes fails only its cell);
+Ray workers are not supported (a cell's own rollout.backend = "ray" still works). The state is kept in
+OUT/arena-state.json: run the same command again after an interruption and finished cells are skipped, an
+interrupted cell resumes from its last checkpoint, a failed one is tried again; a changed arena file is refused,
+naming what changed. A failed cell is recorded (divergence: non-finite steps; else an infrastructure failure) and
+the arena goes on. At the end (and after an interruption) OUT/arena.md, arena.json and a self-contained arena.html
+hold the table (final and best held-out accuracy as mean +- sd over seeds, diverged, median k3, fraction of tokens
+the correction changed, step time), every comparison paired by seed (difference, 95 % CI, minimum detectable
+difference at 80 % power; a CI containing 0 is "no difference detected"), and plots of eval accuracy and k3 over
+steps. Progress (cell i/N, its step, the arena's ETA) goes to stderr; each cell's start-up log to OUT/logs/CELL.log.
 
 With arena.sequential = true the cells run seed by seed, and after each seed from arena.min_seeds on a sequential
 rule judges every comparison of the arena.stop_on outcome at the level 0.05 / K (K looks; Bonferroni: a false
 "difference detected" has probability <= 0.05 per comparison over all looks): settled when its CI excludes 0, or
 contains 0 with an MDE <= arena.target_mde. Once every comparison is settled the remaining seeds' cells are recorded
 as skipped and the arena ends; the looks go to OUT/arena-sequential.json and the page. --dry-run states the rule.
+With --workers N, only cells of the same seed run at a time (each look needs its seed's cells finished).
 
 Exit codes: 0 every selected cell done, diverged or skipped; 1 a cell failed; 2 a bad or changed arena file; 130 / 143
 stopped by SIGINT / SIGTERM (run again to continue)."""
@@ -44,12 +46,19 @@ def add_arena_parser(sub) -> None:
                    help="run only the cells whose id correction/source/sSEED matches, e.g. 'off/*' or '*/q4_1/s0'")
     a.add_argument("--page", action="store_true",
                    help="only (re)write arena.md, arena.json and arena.html from the cells run so far")
+    a.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="run up to N cells at a time, each in a child process (default 1: one after another in this "
+                        "process); with arena.sequential = true only cells of the same seed run together. Keep N x "
+                        "run.threads within the CPU count")
     a.set_defaults(func=arena_command)
 
 
 def arena_command(args: argparse.Namespace) -> int:
     from nearpolicy.arena.spec import ArenaError, load_arena
 
+    if args.workers < 1:
+        print(f"error: --workers must be at least 1 (got {args.workers})", file=sys.stderr)
+        return 2
     try:
         spec = load_arena(args.arena, args.out)
         if args.dry_run:
@@ -67,7 +76,7 @@ def arena_command(args: argparse.Namespace) -> int:
             return 0
         from nearpolicy.arena.runner import run_arena
 
-        return run_arena(spec, args.only)
+        return run_arena(spec, args.only, workers=args.workers)
     except ArenaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -6,8 +6,9 @@ checkpoint; a finished run is recognised as such), so an interrupted arena conti
 diverged cell never runs again. A failed cell is recorded with its error and the arena goes on; SIGINT / SIGTERM
 stop the arena after the cell's step in progress (checkpointed), exit 130 / 143. While a cell runs, a progress line
 on stderr says which cell (i/N), its step and the arena's ETA, from the done cells' wall times (not the diverged
-ones'; before any is done: the running cell's pace, else the arena's estimates, marked "est."). Ray workers are
-not supported: cells run in this process, one at a time (each cell may still use rollout.backend = "ray" itself).
+ones'; before any is done: the running cell's pace, else the arena's estimates, marked "est."). Cells run in this
+process, one at a time; with --workers N up to N at a time, each in a child process (workers.py: its failure
+semantics). Ray workers are not supported (each cell may still use rollout.backend = "ray" itself).
 
 Order: the arena's (corrections-major: every source and seed of the first correction first); with arena.sequential
 = true, seed-major (every cell of the first seed, then of the next), and after each seed from min_seeds on the
@@ -128,11 +129,33 @@ def _remove_bulk(cell: Cell) -> None:
         shutil.rmtree(cell.run_dir / name, ignore_errors=True)
 
 
-def run_cell(spec: ArenaSpec, state: ArenaState, cell: Cell, position: str, todo: list[Cell], say, train) -> int:
-    """Run (or continue) one cell, record it; returns its exit code."""
+def start_record(state: ArenaState, cell: Cell) -> None:
+    """Record that `cell` starts an attempt (status running, one more attempt), saved."""
     record = state.cells[cell.id]
     record.status, record.attempts = "running", record.attempts + 1
     state.save()
+
+
+def finish_record(spec: ArenaSpec, state: ArenaState, cell: Cell, position: str, code: int, message: str,
+                  seconds: float, say) -> None:
+    """Record the end of `cell`'s attempt from its run's (exit code, closing message) and wall `seconds` (classify;
+    the last step logged), saved; delete a final cell's bulk unless arena.keep_checkpoints; say how it ended."""
+    record = state.cells[cell.id]
+    record.seconds += seconds
+    state.seconds += seconds
+    record.status, record.failure = classify(code, message)
+    record.error = None if record.status == "done" else message.strip()[-2000:]
+    record.last_step = last_step(cell.run_dir)
+    state.save()
+    if record.status in FINAL and not spec.keep_checkpoints:
+        _remove_bulk(cell)
+    say(f"arena {position} {cell.id}: {record.status}" + (f" ({record.failure}): {message.strip()[:300]}"
+                                                          if record.failure else f" in {duration(record.seconds)}"))
+
+
+def run_cell(spec: ArenaSpec, state: ArenaState, cell: Cell, position: str, todo: list[Cell], say, train) -> int:
+    """Run (or continue) one cell in this process, record it; returns its exit code."""
+    start_record(state, cell)
     logs = spec.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     t0, first = time.monotonic(), last_step(cell.run_dir) or 0
@@ -158,22 +181,18 @@ def run_cell(spec: ArenaSpec, state: ArenaState, cell: Cell, position: str, todo
         finally:
             watcher.stop()
         write(message)
-    record.seconds += time.monotonic() - t0
-    state.seconds += time.monotonic() - t0
-    record.status, record.failure = classify(code, message)
-    record.error = None if record.status == "done" else message.strip()[-2000:]
-    record.last_step = last_step(cell.run_dir)
-    state.save()
-    if record.status in FINAL and not spec.keep_checkpoints:
-        _remove_bulk(cell)
-    say(f"arena {position} {cell.id}: {record.status}" + (f" ({record.failure}): {message.strip()[:300]}"
-                                                          if record.failure else f" in {duration(record.seconds)}"))
+    finish_record(spec, state, cell, position, code, message, time.monotonic() - t0, say)
     return code
 
 
-def _run_cells(spec: ArenaSpec, state: ArenaState, order: list[Cell], first: int, last: int, say, train) -> int:
-    """Run order[first:last] that are not final yet, one after another; returns 0, 1 when one failed, or a
-    STOP_CODES code (a signal stopped the cell: the arena ends)."""
+def _run_cells(spec: ArenaSpec, state: ArenaState, order: list[Cell], first: int, last: int, say, train,
+               workers: int = 1) -> int:
+    """Run order[first:last] that are not final yet, one after another (workers > 1: workers.py); returns 0, 1 when
+    one failed, or a STOP_CODES code (a signal stopped a cell: the arena ends)."""
+    if workers > 1:
+        from nearpolicy.arena.workers import Workers
+
+        return Workers(spec, state, say, train, workers).run(order, first, last)
     code = 0
     for i in range(first, last):
         cell, position = order[i], f"{i + 1}/{len(order)}"
@@ -258,9 +277,9 @@ def _take_look(spec: ArenaSpec, state: ArenaState, rule: sequential.Rule, histor
     return stops
 
 
-def run_sequential(spec: ArenaSpec, state: ArenaState, chosen: list[Cell], say, train) -> int:
+def run_sequential(spec: ArenaSpec, state: ArenaState, chosen: list[Cell], say, train, workers: int = 1) -> int:
     """Run `chosen` seed-major under the sequential rule (module docstring), a look after each seed from min_seeds
-    on; returns as _run_cells."""
+    on (once every cell of the seed has ended, whatever `workers`); returns as _run_cells."""
     rule, order = rule_of(spec), seed_major(spec, chosen)
     history, decisions, code = [], [], 0
     for done in range(len(spec.seeds) + 1):
@@ -268,7 +287,7 @@ def run_sequential(spec: ArenaSpec, state: ArenaState, chosen: list[Cell], say, 
             return code
         mine = [i for i, c in enumerate(order) if done < len(spec.seeds) and c.seed == spec.seeds[done]]
         if mine:
-            cell_code = _run_cells(spec, state, order, mine[0], mine[-1] + 1, say, train)
+            cell_code = _run_cells(spec, state, order, mine[0], mine[-1] + 1, say, train, workers)
             if cell_code in STOP_CODES:
                 return cell_code
             code = max(code, cell_code)
@@ -276,24 +295,28 @@ def run_sequential(spec: ArenaSpec, state: ArenaState, chosen: list[Cell], say, 
 
 
 def run_arena(spec: ArenaSpec, only: str | None = None, say: Callable[[str], None] | None = None,
-              train: Callable | None = None) -> int:
+              train: Callable | None = None, workers: int = 1) -> int:
     """Run the cells of `spec` matching the glob `only` (all when None) that are not final yet (in the arena's
     order; seed-major under the sequential rule, which may skip the last seeds: module docstring), then write the
     arena page (page.write_page) over every cell run so far. `train(cfg, resume, log, progress) -> (exit code,
-    message)` defaults to api.run_training. Returns 0 when every selected cell is done, diverged or skipped, 1 when
-    one failed, 130 / 143 when a signal stopped the arena. Raises ArenaError for a changed arena (state.py) or an
-    --only that matches no cell."""
+    message)` defaults to api.run_training; `workers` > 1 cells run at a time in child processes (workers.py). Returns
+    0 when every selected cell is done, diverged or skipped, 1 when one failed, 130 / 143 when a signal stopped the
+    arena. Raises ArenaError for a changed arena (state.py) or an --only that matches no cell, ValueError for bad
+    `workers` (workers.check_workers)."""
     from nearpolicy.arena.page import write_page
+    from nearpolicy.arena.workers import check_workers
 
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     train = train or _default_train
     chosen = spec.select(only)
+    for warning in check_workers(workers, train, chosen):
+        say(f"warning: {warning}")
     state = ArenaState.open(spec.out, spec)
     state.save()
     if spec.sequential is None:
-        code = _run_cells(spec, state, chosen, 0, len(chosen), say, train)
+        code = _run_cells(spec, state, chosen, 0, len(chosen), say, train, workers)
     else:
-        code = run_sequential(spec, state, chosen, say, train)
+        code = run_sequential(spec, state, chosen, say, train, workers)
     for warning in write_page(spec, state):
         say(f"warning: {warning}")
     counts = state.counts()
