@@ -61,3 +61,21 @@ def test_a_measurement_runs_resumes_and_refuses_other_settings(tiny_model_dir, t
         run_gradbias(None, sets, other, log=lambda m: None)
     with pytest.raises(ValueError, match="other settings"):  # the same names on another config: refused too
         run_gradbias(None, [*sets, "algorithm.group_size=2"], settings, log=lambda m: None)
+
+
+def test_analyze_of_a_corrupted_measurement_names_the_file(capsys, tmp_path):
+    """A truncated grams.npz, invalid effects.json or a source without its Gram matrix is a clear error (exit 2),
+    not a traceback."""
+    import numpy as np
+
+    np.savez(tmp_path / "grams.npz", corrections=np.array(["off"]), replicates=np.array(3), q8=np.eye(6))
+    effects = {"meta": {"sources": {}}, "reference": [], "sources": {"q8": {}, "q4": {}}}
+    (tmp_path / "effects.json").write_text(json.dumps(effects))
+    assert main(["gradbias", "--analyze", str(tmp_path)]) == 2
+    assert "grams.npz has no q4 (effects.json lists them)" in capsys.readouterr().err
+    (tmp_path / "effects.json").write_text("{not json")
+    assert main(["gradbias", "--analyze", str(tmp_path)]) == 2
+    assert "effects.json is not valid JSON" in capsys.readouterr().err
+    (tmp_path / "grams.npz").write_bytes((tmp_path / "grams.npz").read_bytes()[:40])
+    assert main(["gradbias", "--analyze", str(tmp_path)]) == 2
+    assert "grams.npz is unreadable" in capsys.readouterr().err

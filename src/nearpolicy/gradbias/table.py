@@ -8,6 +8,7 @@ without the replicates: `nearpolicy gradbias --analyze FOLDER`."""
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,9 @@ def _blocks(gram: np.ndarray, n: int, arm: int) -> Grams:
 def analyze(folder: Path) -> dict:
     """Per source, per correction: the estimates of estimate.cell_estimates, the shift and the paired bias^2 change against "off", the
     mean changed fraction and ESS (batch-means intervals); per source the mismatch facts (k3, reward, length,
-    truncated share, seconds); the measurement's meta. Raises FileNotFoundError when the files are missing."""
-    folder = Path(folder)
-    data = np.load(folder / "grams.npz")
-    effects = json.loads((folder / "effects.json").read_text())
+    truncated share, seconds); the measurement's meta. Raises FileNotFoundError when the files are missing and
+    ValueError when one is unreadable (read_measurement)."""
+    data, effects = read_measurement(Path(folder))
     corrections = [str(c) for c in data["corrections"]]
     n = int(data["replicates"])
     out = {"meta": effects["meta"], "reference": _facts(effects["reference"]), "sources": {}}
@@ -47,6 +47,35 @@ def analyze(folder: Path) -> dict:
         out["sources"][source] = {"label": effects["meta"]["sources"].get(source, source),
                                   "facts": _facts(info["facts"]), "corrections": rows}
     return out
+
+
+def read_measurement(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """(grams.npz's arrays, effects.json's object) of a measurement folder, checked for what `analyze` reads. Raises
+    FileNotFoundError naming a missing file, ValueError naming the file that is unreadable (a truncated or corrupted
+    archive, invalid JSON) or that lacks what the table needs (the corrections, the replicate count, a source's Gram
+    matrix)."""
+    grams, effects_path = folder / "grams.npz", folder / "effects.json"
+    for path in (grams, effects_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: not a finished gradbias measurement (its folder holds "
+                                    "grams.npz and effects.json)")
+    rerun = f"rerun the measurement into {folder} (its replicates/ are kept) or restore the file"
+    try:
+        with np.load(grams) as archive:
+            data = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{grams} is unreadable ({type(err).__name__}: {err}); {rerun}") from None
+    try:
+        effects = json.loads(effects_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{effects_path} is not valid JSON ({err}); {rerun}") from None
+    if not isinstance(effects, dict) or not {"meta", "reference", "sources"} <= effects.keys():
+        raise ValueError(f"{effects_path} lacks meta, reference or sources; {rerun}")
+    needed = ["corrections", "replicates", *effects["sources"]]
+    missing = [name for name in needed if name not in data]
+    if missing:
+        raise ValueError(f"{grams} has no {', '.join(missing)} (effects.json lists them); {rerun}")
+    return data, effects
 
 
 def _facts(rows: list[dict]) -> dict:
