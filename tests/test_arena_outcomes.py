@@ -330,5 +330,5 @@ def test_a_cell_reports_its_truncated_share_and_a_note_above_the_limit(tmp_path)
     assert results[low.id].truncated == pytest.approx(0.08, abs=1e-12)  # (0.2 + 0.6) / 10
     assert results[high.id].truncated == pytest.approx(0.14, abs=1e-12)  # (0.8 + 0.6) / 10
     assert not any("training responses cut" in n for n in results[low.id].notes)
-    assert any("14 % of its training responses cut" in n for n in results[high.id].notes)
+    assert any("14.0 % of its training responses cut" in n for n in results[high.id].notes)
     assert TRUNCATION_LIMIT == 0.10

@@ -270,3 +270,17 @@ def test_eval_outcomes_of_another_length_or_mean_are_left_out_with_a_warning(tmp
     assert (recorded, outcomes) == (4, None)
     assert warnings == ["eval_outcomes.jsonl's step-2 rewards do not give the logged final accuracy 0.5: "
                         "per-problem outcomes left out"]
+
+
+def test_a_constant_difference_with_float_rounding_is_not_established():
+    """Review finding: 0.3 - 0.2, 0.2 - 0.1, 0.7 - 0.6 differ by float rounding only (SE about 1e-17), which read
+    'difference detected ... MDE 0.000'; like an exactly constant difference it has no spread to bound it."""
+    from nearpolicy.arena.paired import NO_SPREAD, paired_bootstrap, paired_seeds, verdict
+
+    a = {0: 0.3, 1: 0.2, 2: 0.7}
+    p = paired_seeds(a, {s: v - 0.1 for s, v in a.items()})
+    assert 0 < p.se <= NO_SPREAD
+    assert verdict(p).startswith("not established")
+    boot = paired_bootstrap(np.full((3, 4), 0.3), np.full((3, 4), 0.2))
+    assert boot.se <= NO_SPREAD and verdict(boot).startswith("not established")
+    assert verdict(paired_seeds(a, {0: 0.2, 1: 0.1, 2: 0.5})).startswith(("difference detected", "no difference"))

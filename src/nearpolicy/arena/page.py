@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from nearpolicy.arena import sequential
 from nearpolicy.arena.comparisons import METHOD, OUTCOMES, PairedComparison, paired_comparisons
-from nearpolicy.arena.paired import Paired, verdict
+from nearpolicy.arena.paired import NO_SPREAD, Paired, verdict
 from nearpolicy.arena.spec import ArenaSpec
 from nearpolicy.arena.state import ArenaState
 from nearpolicy.arena.table import Aggregate, CellResult, arena_results, duration, spread_statements
@@ -99,7 +99,7 @@ PAIRED_COLUMNS = ["comparison", "outcome", "seeds", "per-seed differences", "dif
 
 
 def _short(p: Paired) -> str:
-    return "not established (sd 0)" if p.se == 0 else "difference detected" if p.detected else "no difference detected"
+    return "not established (sd 0)" if p.se <= NO_SPREAD else "difference detected" if p.detected else "no difference detected"
 
 
 def _eval_share(c: PairedComparison) -> tuple[str, str]:

@@ -35,6 +35,7 @@ import numpy as np
 
 from nearpolicy.ops.t_quantiles import M80, T975, m80, t975  # noqa: F401 (re-exported)
 
+NO_SPREAD = 1e-12  # an SE this small is float rounding of equal differences (0.3 - 0.2 vs 0.7 - 0.6): no spread
 Z_MDE = 1.959964 + 0.841621  # z_0.975 + z_0.80: the normal MDE multiplier (the bootstrap's)
 REPLICATES = 10_000
 BOOTSTRAP_SEED = 0
@@ -131,8 +132,8 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, seeds: list[int] | None = Non
 def verdict(p: Paired) -> str:
     """'difference detected: +0.050 (CI [+0.025, +0.075], MDE 0.033)' or 'no difference detected (CI [-0.100,
     +0.150], MDE 0.210)': the 95 % interval and the MDE at 80 % power beside every estimate; 'not established'
-    when the SE is 0 (every seed's difference the same: no spread to bound it)."""
-    if p.se == 0:
+    when the SE is at most NO_SPREAD (every seed's difference the same up to float rounding: no spread to bound it)."""
+    if p.se <= NO_SPREAD:
         return (f"not established: every {'seed' if p.problems is None else 'draw'}'s difference is "
                 f"{p.difference:+.3f} (sd 0 over {p.seeds} seeds), so there is no spread to bound it")
     said = f"CI [{p.low:+.3f}, {p.high:+.3f}], MDE {p.mde:.3f}"

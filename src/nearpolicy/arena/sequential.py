@@ -44,12 +44,11 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nearpolicy.arena.paired import Paired
+from nearpolicy.arena.paired import NO_SPREAD, Paired
 from nearpolicy.arena.spec import ArenaSpec
 
 ALPHA = 0.05
 POWER = 0.80
-NO_SPREAD = 1e-12  # an SE this small is rounding of equal differences (0.1 - 0.0 three times): no spread
 RECORD = "arena-sequential.json"
 FORMAT = 1
 

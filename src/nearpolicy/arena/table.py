@@ -178,7 +178,7 @@ def cell_result(cell: Cell, record: CellRecord, late_steps: int | None = None) -
     result.step_seconds = _mean([v for _, v in finite_points(train, "time/step")])
     result.truncated = _mean([v for _, v in finite_points(train, "response/frac_truncated")])
     if result.truncated is not None and result.truncated > TRUNCATION_LIMIT:
-        result.notes.append(f"{100 * result.truncated:.0f} % of its training responses cut at "
+        result.notes.append(f"{100 * result.truncated:.1f} % of its training responses cut at "
                             f"sampling.max_new_tokens = {cell.config.sampling.max_new_tokens} (above "
                             f"{100 * TRUNCATION_LIMIT:.0f} %: the budget shapes what is learned)")
     if record.status == "diverged":
