@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from nearpolicy.cli import main
@@ -72,10 +73,43 @@ def test_analyze_of_a_corrupted_measurement_names_the_file(capsys, tmp_path):
     effects = {"meta": {"sources": {}}, "reference": [], "sources": {"q8": {}, "q4": {}}}
     (tmp_path / "effects.json").write_text(json.dumps(effects))
     assert main(["gradbias", "--analyze", str(tmp_path)]) == 2
-    assert "grams.npz has no q4 (effects.json lists them)" in capsys.readouterr().err
+    assert "grams.npz: has no q4 (effects.json lists them)" in capsys.readouterr().err
     (tmp_path / "effects.json").write_text("{not json")
     assert main(["gradbias", "--analyze", str(tmp_path)]) == 2
     assert "effects.json is not valid JSON" in capsys.readouterr().err
     (tmp_path / "grams.npz").write_bytes((tmp_path / "grams.npz").read_bytes()[:40])
     assert main(["gradbias", "--analyze", str(tmp_path)]) == 2
     assert "grams.npz is unreadable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda g, e: g.update(replicates=np.array(5)), "grams.npz: f32's Gram matrix is (110, 110), not (55, 55)"),
+    (lambda g, e: g.update(corrections=g["corrections"][1:]), "corrections must be a list of names including 'off'"),
+    (lambda g, e: g.update(replicates=np.array([3, 4])), "replicates must be one integer >= 2"),
+    (lambda g, e: g.update(q8_0=np.ones(110)), "q8_0's Gram matrix is (110,)"),
+    (lambda g, e: e.update(sources=list(e["sources"])), "non-empty sources object"),
+    (lambda g, e: e["sources"]["q8_0"].pop("effects"), "source q8_0 needs a non-empty facts list"),
+    (lambda g, e: e["sources"]["q8_0"].update(facts=[]), "source q8_0 needs a non-empty facts list"),
+    (lambda g, e: e.update(meta={}), "needs an object with meta"),
+    (lambda g, e: e.update(reference="x"), "needs an object with meta"),
+])
+def test_analyze_refuses_an_inconsistent_measurement_instead_of_a_wrong_table(change, message, capsys, tmp_path):
+    """Review finding: a replicate count or correction list that does not match the Gram matrices gave exit 0 and a
+    table from the wrong blocks, and other inconsistencies tracebacks. The committed measurement, changed in one
+    field, is refused (exit 2) naming the file and the fault."""
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+
+    committed = Path(__file__).resolve().parent.parent / "docs" / "gradbias"
+    grams = dict(np.load(committed / "grams.npz"))
+    effects = json.loads((committed / "effects.json").read_text())
+    change(grams, effects)
+    np.savez(tmp_path / "grams.npz", **grams)
+    (tmp_path / "effects.json").write_text(json.dumps(effects))
+    assert main(["gradbias", "--analyze", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    shutil.copy(committed / "grams.npz", tmp_path / "grams.npz")
+    shutil.copy(committed / "effects.json", tmp_path / "effects.json")
+    assert main(["gradbias", "--analyze", str(tmp_path)]) == 0  # the committed files themselves pass

@@ -50,10 +50,9 @@ def analyze(folder: Path) -> dict:
 
 
 def read_measurement(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
-    """(grams.npz's arrays, effects.json's object) of a measurement folder, checked for what `analyze` reads. Raises
-    FileNotFoundError naming a missing file, ValueError naming the file that is unreadable (a truncated or corrupted
-    archive, invalid JSON) or that lacks what the table needs (the corrections, the replicate count, a source's Gram
-    matrix)."""
+    """(grams.npz's arrays, effects.json's object) of a measurement folder, checked for everything `analyze` reads.
+    Raises FileNotFoundError naming a missing file, ValueError naming the file that is unreadable (a truncated or
+    corrupted archive, invalid JSON) or inconsistent (measurement_problem)."""
     grams, effects_path = folder / "grams.npz", folder / "effects.json"
     for path in (grams, effects_path):
         if not path.is_file():
@@ -69,13 +68,44 @@ def read_measurement(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
         effects = json.loads(effects_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{effects_path} is not valid JSON ({err}); {rerun}") from None
-    if not isinstance(effects, dict) or not {"meta", "reference", "sources"} <= effects.keys():
-        raise ValueError(f"{effects_path} lacks meta, reference or sources; {rerun}")
-    needed = ["corrections", "replicates", *effects["sources"]]
-    missing = [name for name in needed if name not in data]
-    if missing:
-        raise ValueError(f"{grams} has no {', '.join(missing)} (effects.json lists them); {rerun}")
+    problem = measurement_problem(data, effects)
+    if problem is not None:
+        grams_at_fault, what = problem
+        raise ValueError(f"{grams if grams_at_fault else effects_path}: {what}; {rerun}")
     return data, effects
+
+
+def measurement_problem(data: dict[str, np.ndarray], effects) -> tuple[bool, str] | None:
+    """Why grams.npz's arrays `data` and effects.json's `effects` cannot be tabled, as (the fault is grams.npz's,
+    what is wrong), or None when they can: effects.json an object with meta (its `sources` a dict), a reference list
+    and a sources object, each source with a non-empty list of fact objects and per-correction effects; grams.npz
+    with string corrections including "off", an integer replicate count N >= 2 and, per source, a square Gram matrix
+    of (corrections + 1) x N rows."""
+    if not isinstance(effects, dict) or not isinstance(effects.get("meta"), dict) \
+            or not isinstance(effects["meta"].get("sources"), dict) or not isinstance(effects.get("reference"), list) \
+            or not isinstance(effects.get("sources"), dict) or not effects["sources"]:
+        return False, "needs an object with meta (and its sources), a reference list and a non-empty sources object"
+    missing = [name for name in ("corrections", "replicates", *effects["sources"]) if name not in data]
+    if missing:
+        return True, f"has no {', '.join(missing)} (effects.json lists them)"
+    corrections, replicates = data["corrections"], data["replicates"]
+    if corrections.ndim != 1 or corrections.dtype.kind != "U" or "off" not in corrections.tolist():
+        return True, "corrections must be a list of names including 'off'"
+    if replicates.ndim != 0 or replicates.dtype.kind not in "iu" or int(replicates) < 2:
+        return True, f"replicates must be one integer >= 2, got {replicates.tolist()!r}"
+    size = (len(corrections) + 1) * int(replicates)
+    for source, info in effects["sources"].items():
+        if data[source].shape != (size, size):
+            return True, (f"{source}'s Gram matrix is {data[source].shape}, not ({size}, {size}) for "
+                          f"{len(corrections)} corrections + the reference x {int(replicates)} replicates")
+        facts = info.get("facts") if isinstance(info, dict) else None
+        per = info.get("effects") if isinstance(info, dict) else None
+        if not (isinstance(facts, list) and facts and all(isinstance(f, dict) for f in facts)
+                and isinstance(per, dict) and all(c in per for c in corrections.tolist())):
+            return False, f"source {source} needs a non-empty facts list and effects for every correction"
+    if not effects["reference"] or not all(isinstance(f, dict) for f in effects["reference"]):
+        return False, "reference must be a non-empty list of fact objects"
+    return None
 
 
 def _facts(rows: list[dict]) -> dict:
