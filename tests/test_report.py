@@ -345,3 +345,13 @@ def test_summary_and_report_skip_metric_values_that_are_not_numbers(tmp_path: Pa
     rows[0] |= {"time/eval": 60.0}  # the step-0 eval, before any step
     assert main(["summary", str(_write_run(tmp_path / "timed", rows))]) == 0
     assert "Training time (sum of step times, evals included): 1.2 min." in capsys.readouterr().out
+
+
+def test_summary_lists_the_per_sequence_mismatch_family(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """New-user finding: `summary` left out the mismatch/seq_* metrics the report plots. Steps log d = 0.01, 0.02, 0.03:
+    its row gives min 0.01, median 0.02, mean 0.02, max 0.03."""
+    run = _write_run(tmp_path / "run", _fake_rows())
+    assert main(["summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "| mismatch/seq_log_ppl_diff | 0.01 | 0.02 | 0.02 | 0.03 |" in out
+    assert "| mismatch/seq_log_ppl_abs_diff | 0.02 | 0.04 | 0.04 | 0.06 |" in out

@@ -123,7 +123,7 @@ PANELS = (
     Panel("Effective sample size", "normalised ESS",
           (Series("numerical discrepancy", ("mismatch/discrepancy_ess", "mismatch/ess")),
            Series("policy lag", ("mismatch/lag_ess",)))),
-    Panel("Log-perplexity difference per sequence", "log PPL trainer - log PPL engine (nats / token)",
+    Panel("Log-perplexity difference per sequence", "d = log PPL trainer - engine (nats/token)",
           (Series("mean", ("mismatch/seq_log_ppl_diff",)), Series("mean |d|", ("mismatch/seq_log_ppl_abs_diff",)),
            Series("min", ("mismatch/seq_log_ppl_diff_min",)), Series("max", ("mismatch/seq_log_ppl_diff_max",))),
           missing=f"{NOT_RECORDED} (a run older than these metrics, or logging.diagnostics = false)"),

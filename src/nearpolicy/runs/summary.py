@@ -8,7 +8,9 @@ from pathlib import Path
 from nearpolicy.runs.folder import finite_points, is_finite_number, read_json_object, read_metrics
 
 MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/chi2", "mismatch/ess", "mismatch/max_abs_logprob_diff",
-                 "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2"]
+                 "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2",
+                 "mismatch/seq_log_ppl_diff", "mismatch/seq_log_ppl_abs_diff", "mismatch/seq_ppl_ratio",
+                 "mismatch/seq_chi2"]  # per sequence: verl's rollout_corr names (docs/math.md sec. 22)
 TIME_KEYS = ["time/rollout", "time/score", "time/recompute", "time/update", "time/sync", "time/eval", "time/step",
              "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"]
 
