@@ -3,12 +3,17 @@ name: it writes a cell's known metrics.jsonl one step at a time, stops on SIGINT
 as a run does (signals.GracefulStop; a rerun continues after the last logged step), and records when it started and
 ended in TIMES/<cell folder>.<pid>.json. What it does is set by the environment variable ARENA_FAKE (JSON; the
 workers inherit it): times (folder), step_seconds (or {correction: seconds}), crash ({cell id: "SIGKILL" or an exit
-code}), rendezvous (wait, up to 60 s, until that many cells have started: proof that they run at the same time).
+code}), rendezvous (wait, up to 60 s, until that many cells have started: proof that they run at the same time),
+message ({cell id: the closing message of a run that then fails, exit code 1}), chatter ({cell id: text written on the
+worker's result pipe before the run, which then reports as usual}), report ({cell id: text written on the result pipe
+in place of the worker's report, after which the worker exits 0 without one}).
 
-Run as a script (`python arena_workers_fake.py ARENA.toml OUT WORKERS`) it is an arena process with this `train`."""
+Run as a script (`python arena_workers_fake.py ARENA.toml OUT WORKERS [CELL_GLOB]`) it is an arena process with this
+`train`."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -37,6 +42,19 @@ def _last_step(metrics: Path) -> int:
     return rows[-1]["step"] if rows else -1
 
 
+def _result_pipe() -> int:
+    """The worker's result pipe (arena/workers.py): the one pipe this process holds open for writing only (stdin, the
+    job's pipe, is read only; stdout and stderr are the cell's log file)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if (os.readlink(f"/proc/self/fd/{name}").startswith("pipe:")
+                    and fcntl.fcntl(int(name), fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY):
+                return int(name)
+        except OSError:
+            continue
+    raise RuntimeError("no result pipe: not run in a worker process")
+
+
 def train(cfg, resume, log, progress):
     from nearpolicy.signals import GracefulStop
 
@@ -54,6 +72,11 @@ def train(cfg, resume, log, progress):
         os.kill(os.getpid(), signal.SIGKILL)
     elif crash is not None:
         os._exit(int(crash))
+    if cell in plan.get("chatter", {}):
+        os.write(_result_pipe(), plan["chatter"][cell].encode())
+    if cell in plan.get("report", {}):
+        os.write(_result_pipe(), plan["report"][cell].encode())
+        os._exit(0)
     deadline = time.time() + 60
     while len(list(times.parent.glob("*.json"))) < plan.get("rendezvous", 0) and time.time() < deadline:
         time.sleep(0.05)
@@ -71,6 +94,8 @@ def train(cfg, resume, log, progress):
             if stop.signum is not None and step < steps:
                 code, message = 128 + stop.signum, f"stopped by {signal.Signals(stop.signum).name} at step {step}"
                 break
+    if cell in plan.get("message", {}) and code == 0:
+        code, message = 1, plan["message"][cell]
     times.write_text(json.dumps(record | {"end": time.time(), "code": code}))
     return code, message
 
@@ -86,5 +111,5 @@ if __name__ == "__main__":
     from nearpolicy.arena.runner import run_arena
     from nearpolicy.arena.spec import load_arena
 
-    arena, out, workers = sys.argv[1:4]
-    sys.exit(run_arena(load_arena(Path(arena), Path(out)), train=arena_workers_fake.train, workers=int(workers)))
+    arena, out, workers, only = (sys.argv[1:] + [None])[:4]
+    sys.exit(run_arena(load_arena(Path(arena), Path(out)), only, train=arena_workers_fake.train, workers=int(workers)))

@@ -1,8 +1,10 @@
 """`nearpolicy arena --workers N` (arena/workers.py): cells run N at a time, each in a worker process, with
 tests/arena_workers_fake.py's `train` (imported by name in each worker; it records when it ran): never more than N at
 once, the same state and page as one after another, a worker that dies fails only its cell, SIGTERM to the arena stops
-the running cells resumably, and under arena.sequential no seed starts before the previous one has ended. Each worker
-imports torch (the config schema), a few seconds apiece."""
+the running cells resumably, and under arena.sequential no seed starts before the previous one has ended; a report
+over a pipe's buffer or malformed fails its cell (no hang, no crash), stop signals are forwarded one by one as
+themselves, and --dry-run warns and estimates for N workers. Each worker imports torch (the config schema), a few
+seconds apiece."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import pytest
 from nearpolicy.arena.runner import run_arena
 from nearpolicy.arena.spec import load_arena
 from nearpolicy.arena.state import ArenaState
-from nearpolicy.arena.workers import check_workers, parallel_eta
+from nearpolicy.arena.workers import REPORT_BYTES, Workers, check_workers, parallel_eta, parse_report, report_line
 
 BASE = """
 [run]
@@ -126,6 +129,104 @@ def test_a_worker_that_dies_fails_only_its_cell_and_a_rerun_tries_it_again(tmp_p
                                "tis/q8/s1": ("done", 1)}
 
 
+def test_a_report_larger_than_a_pipe_buffer_fails_its_cell_without_a_hang(tmp_path, plan):
+    """A closing message of 9000 emoji (~96 KB as ASCII-escaped JSON: over Linux's 64 KiB pipe buffer): the report is
+    capped (report_line) and the arena empties the pipe as the worker writes, so the cell is failed at once, not
+    stuck in its write. The arena runs as a process of its own: a hang ends at the timeout, not the test session."""
+    path, message = _arena(tmp_path), "error: " + "\U0001F600" * 9000
+    spec = load_arena(path, out=tmp_path / "out")
+    plan(message={"off/q8/s0": message})
+    with (tmp_path / "stderr.txt").open("w") as err:
+        arena = subprocess.Popen([sys.executable, fake.__file__, str(path), str(spec.out), "2", "off/*"], stderr=err)
+        try:
+            assert arena.wait(timeout=60) == 1
+        finally:
+            arena.kill()  # only when it hung: its workers then see their stdin close and stop
+    state = ArenaState.open(spec.out, spec).cells
+    assert {cid: (r.status, r.failure) for cid, r in state.items()} == {
+        "off/q8/s0": ("failed", "infrastructure"), "off/q8/s1": ("done", None), "tis/q8/s0": ("pending", None),
+        "tis/q8/s1": ("pending", None)}
+    assert state["off/q8/s0"].error == "\U0001F600" * 2000  # the last 2000 characters, as for a cell in process
+    assert (spec.out / "logs" / "off__q8__s0.log").read_text(encoding="utf-8").splitlines()[-1] == message
+
+
+def test_a_report_line_keeps_the_messages_tail_within_its_byte_cap():
+    for message, kept in [("error: " + "\U0001F600" * 9000, 4088), ("x" * 20000, 16355), ("\x00" * 9000, 2725),
+                          ("bad byte \udcff", 10), ("done", 4)]:
+        line = report_line(143, message)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1 and len(line) <= REPORT_BYTES
+        assert json.loads(line) == {"code": 143, "message": message[len(message) - kept:]}
+        assert parse_report(line) == (143, message[len(message) - kept:])
+
+
+def test_a_report_is_its_last_complete_line_and_a_malformed_one_is_named():
+    ok = b'{"code": 0, "message": "done"}\n'
+    assert parse_report(ok) == (0, "done")
+    assert parse_report(b"warming up\n[1, 2\n" + ok) == (0, "done")  # what came before the report
+    assert parse_report(b"") is None and parse_report(b'{"code": 0, "mess') is None  # cut short: no report
+    assert parse_report(ok + b'{"code": 1') == (0, "done")
+    for bad, why in [(b'{"code": Infinity, "message": "x"}', "its code inf is no integer"),
+                     (b'{"code": 1e999, "message": "x"}', "its code inf is no integer"),
+                     (b'{"code": "0", "message": "x"}', "its code '0' is no integer"),
+                     (b'{"code": true, "message": "x"}', "its code True is no integer"),
+                     (b'{"code": 1.0, "message": "x"}', "its code 1.0 is no integer"),
+                     (b'{"code": 1, "message": 7}', "its message 7 is no string"),
+                     (b'{"message": "x"}', "its code None is no integer"),
+                     (b'[0, "done"]', "not a JSON object: b'[0, \"done\"]'"),
+                     (b"\xff\xfe", "not JSON: "), (b"[" * 100000, "not JSON: ")]:
+        with pytest.raises(ValueError) as err:
+            parse_report(bad + b"\n")
+        assert str(err.value).startswith(why)
+
+
+def test_a_malformed_report_fails_its_cell_and_what_came_before_a_report_is_passed_over(tmp_path, plan):
+    """Reports of a code Infinity or 1e999 (json.loads: float inf) or "0" fail their cells (infrastructure, saying
+    why) and the arena goes on; a worker that wrote a line of its own before its report is read by the report."""
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    plan(report={"off/q8/s0": '{"code": Infinity, "message": "x"}\n', "off/q8/s1": '{"code": 1e999, "message": "x"}\n',
+                 "tis/q8/s0": '{"code": "0", "message": "done"}\n'}, chatter={"tis/q8/s1": "warming up\n"})
+    assert run_arena(spec, say=lambda _: None, train=fake.train, workers=2) == 1
+    state = ArenaState.open(spec.out, spec).cells
+    assert {cid: (r.status, r.failure) for cid, r in state.items()} == {
+        "off/q8/s0": ("failed", "infrastructure"), "off/q8/s1": ("failed", "infrastructure"),
+        "tis/q8/s0": ("failed", "infrastructure"), "tis/q8/s1": ("done", None)}
+    for cid, code in [("off/q8/s0", "inf"), ("off/q8/s1", "inf"), ("tis/q8/s0", "'0'")]:
+        assert state[cid].error == (f"error: the cell's worker process ended by exit code 0 with a malformed report "
+                                    f"(its code {code} is no integer); its output is in logs/"
+                                    f"{cid.replace('/', '__')}.log")
+
+
+def test_signals_within_one_poll_are_forwarded_one_by_one_as_themselves(tmp_path, plan):
+    """SIGINT, SIGINT, SIGTERM recorded before the arena's loop looks (three signals inside one poll): each is said and
+    forwarded as itself, one per poll, in order. The first stops the runs after their step in progress, the second
+    aborts it: with 5 s steps, no cell logs step 1."""
+    spec = load_arena(_arena(tmp_path), out=tmp_path / "out")
+    plan(step_seconds=5.0)
+    state, lines = ArenaState.open(spec.out, spec), []
+    state.save()
+    workers = Workers(spec, state, lines.append, fake.train, 2)
+
+    def signal_once_both_run() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and min(_metric_lines(spec)[c.id] for c in spec.cells[:2]) < 1:
+            time.sleep(0.05)
+        for signum in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):  # as _Stop's handler records a signal
+            workers.stop.request(signum)
+
+    thread = threading.Thread(target=signal_once_both_run, daemon=True)
+    thread.start()
+    assert workers.run(spec.cells, 0, 2) == 130
+    thread.join()
+    assert [line for line in lines if ": forwarded to the " in line] == [
+        "SIGINT: forwarded to the 2 running cell(s), stopping them after their steps in progress (checkpointed); send "
+        "it again to abort now; no cell starts any more",
+        "SIGINT: forwarded to the 2 running cell(s), aborting their steps in progress; no cell starts any more",
+        "SIGTERM: forwarded to the 2 running cell(s) again"]
+    assert {cid: r.status for cid, r in state.cells.items()} == {
+        "off/q8/s0": "stopped", "off/q8/s1": "stopped", "tis/q8/s0": "pending", "tis/q8/s1": "pending"}
+    assert _metric_lines(spec) == {"off/q8/s0": 1, "off/q8/s1": 1, "tis/q8/s0": 0, "tis/q8/s1": 0}
+
+
 def _metric_lines(spec) -> dict[str, int]:
     lines = {}
     for cell in spec.cells:
@@ -208,6 +309,42 @@ def test_workers_below_one_and_unimportable_train_functions_are_refused_and_over
     assert check_workers(3, fake.train, spec.cells) == [
         "--workers 3 x run.threads 1 = 3 threads on 2 CPU(s): the cells will compete for cores (each slower, the "
         "arena maybe no faster)"]
+
+
+def test_the_dry_run_warns_of_oversubscription_and_divides_its_estimate_by_the_cells_at_a_time(
+        tmp_path, monkeypatch, capsys):
+    """A cell: 20 s start + 3 evals x 5 s + 2 steps x 10 s = 55 s; the estimate is divided by min(N, cells to run),
+    under arena.sequential by min(N, the seed's cells to run) seed by seed."""
+    from nearpolicy.cli import main
+
+    timed = 'step_seconds = 10.0\neval_seconds = 5.0\nstart_seconds = 20.0\nbaseline = "off"'
+    path = _arena(tmp_path, ARENA.replace('baseline = "off"', timed))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+
+    def dry(*args: str, arena: Path = path) -> list[str]:
+        assert main(["arena", str(arena), "--out", str(tmp_path / "out"), "--dry-run", *args]) == 0
+        return capsys.readouterr().out.splitlines()
+
+    warning = ("# warning: --workers 4 x run.threads 1 = 4 threads on 2 CPU(s): the cells will compete for cores (each "
+               "slower, the arena maybe no faster)")
+    out = dry("--workers", "4")
+    assert warning in out and out[-1].endswith("estimated 55s with 4 workers (arena.step_seconds, eval_seconds, "
+                                               "start_seconds)")
+    out = dry("--workers", "4", "--only", "off/*")
+    assert warning in out and out[-1].endswith("estimated 55s with 4 workers (at most 2 cells at a time) "
+                                               "(arena.step_seconds, eval_seconds, start_seconds)")
+    out = dry("--workers", "2")
+    assert not any("warning" in line for line in out)
+    assert out[-1].endswith("estimated 1m50s with 2 workers (arena.step_seconds, eval_seconds, start_seconds)")
+    out = dry()
+    assert not any("warning" in line for line in out)
+    assert out[-1].endswith("estimated 3m40s (arena.step_seconds, eval_seconds, start_seconds)")
+    sequential = _arena(tmp_path, SEQUENTIAL.replace('baseline = "off"', timed))
+    out = dry("--workers", "4", arena=sequential)  # 4 seeds of 2 cells, seed after seed
+    assert warning in out and out[-1].endswith("estimated 3m40s with 4 workers (at most 2 cells at a time) "
+                                               "(arena.step_seconds, eval_seconds, start_seconds) at most (the rule "
+                                               "may stop earlier)")
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_cli_refuses_workers_below_one(tmp_path, capsys):

@@ -49,7 +49,7 @@ def add_arena_parser(sub) -> None:
     a.add_argument("--workers", type=int, default=1, metavar="N",
                    help="run up to N cells at a time, each in a child process (default 1: one after another in this "
                         "process); with arena.sequential = true only cells of the same seed run together. Keep N x "
-                        "run.threads within the CPU count")
+                        "run.threads within the CPU count (a warning says when it is not, --dry-run too)")
     a.set_defaults(func=arena_command)
 
 
@@ -64,7 +64,7 @@ def arena_command(args: argparse.Namespace) -> int:
         if args.dry_run:
             from nearpolicy.arena.runner import dry_run
 
-            print(dry_run(spec, args.only), end="")
+            print(dry_run(spec, args.only, args.workers), end="")
             return 0
         if args.page:
             from nearpolicy.arena.page import write_page

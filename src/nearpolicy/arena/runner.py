@@ -331,12 +331,16 @@ def _count(items, noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
-def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
+def dry_run(spec: ArenaSpec, only: str | None = None, workers: int = 1) -> str:
     """The cells `only` selects (seed-major under the sequential rule), each with its status (from a stored state, if
     any) and every override it gets (arena.set, source, correction, [[override]]s, in the order applied), the
     estimated budget and, with arena.sequential = true, the rule (K looks, each look's level and multipliers, the
-    target MDE) and the fewest and most cells it runs. Writes nothing. Raises ArenaError for a changed arena or an
-    --only matching nothing."""
+    target MDE) and the fewest and most cells it runs. With `workers` > 1: the warning a run would give when they
+    oversubscribe the CPUs (workers.oversubscribed), and the time divided by the cells at a time (min(workers, cells
+    to run); under the sequential rule seed by seed: min(workers, the seed's cells to run)). Writes nothing. Raises
+    ArenaError for a changed arena or an --only matching nothing."""
+    from nearpolicy.arena.workers import oversubscribed
+
     chosen = spec.select(only)
     state = ArenaState.open(spec.out, spec)
     rule = rule_of(spec) if spec.sequential is not None else None
@@ -346,12 +350,18 @@ def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
     todo = [c for c in chosen if state.cells[c.id].status not in FINAL and c not in waiting]
     steps = sum(cell_units(c)[0] for c in todo)
     samples = sum(cell_units(c)[0] * cell_units(c)[2] for c in todo)
-    left, measured = eta_seconds(spec, state, todo, 0.0)
+    groups = [[c for c in todo if c.seed == seed] for seed in spec.seeds] if rule is not None else [todo]
+    (left, measured), at_once = eta_seconds(spec, state, [], 0.0), 1  # 0 s, measured when a cell is done
+    for group in (g for g in groups if g):
+        seconds, measured = eta_seconds(spec, state, group, 0.0)
+        left += seconds / min(workers, len(group))
+        at_once = max(at_once, min(workers, len(group)))
     lines = [f"# nearpolicy arena --dry-run {spec.path}: base {spec.base}, output {spec.out}; nothing was run",
              f"# {_count(spec.corrections, 'correction')} x {_count(spec.sources, 'source')} x "
              f"{_count(spec.seeds, 'seed')} = {_count(spec.cells, 'cell')}; {len(chosen)} selected, {len(todo)} to run"
              + (f" ({len(waiting)} skipped by the sequential rule: run only if it, recomputed, goes on to their seed)"
                 if waiting else "")]
+    lines += [f"# warning: {warning}" for warning in oversubscribed(workers, chosen)]
     if rule is not None:
         first = sum(c.seed in spec.seeds[:rule.min_seeds] for c in chosen)
         lines += [f"# {line}" for line in sequential.rule_lines(rule, spec.sequential.stop_on)]
@@ -360,6 +370,9 @@ def dry_run(spec: ArenaSpec, only: str | None = None) -> str:
     for cell in chosen:
         lines.append(f"{cell.id:<40} {state.cells[cell.id].status:<9} {' '.join(cell.sets)}")
     basis = "from the done cells" if measured else "arena.step_seconds, eval_seconds, start_seconds"
+    parallel = "" if workers == 1 else f" with {workers} workers" + (
+        f" (at most {at_once} cells at a time)" if at_once < workers else "")
     lines.append(f"# budget of the cells to run: {steps} training steps, {samples} samples; estimated "
-                 f"{duration(left)} ({basis})" + (" at most (the rule may stop earlier)" if rule is not None else ""))
+                 f"{duration(left)}{parallel} ({basis})" + (" at most (the rule may stop earlier)" if rule is not None
+                                                           else ""))
     return "\n".join(lines) + "\n"

@@ -12,18 +12,24 @@ child by name (module:qualname, with this process's sys.path), so it must be a m
 
 The protocol: the parent writes one JSON line on the child's stdin (the cell's config, resume or not, the cell's log
 file, the train function's name, sys.path, the result pipe's fd) and keeps stdin open; the child runs the cell, writes
-one JSON line {"code", "message"} (the run's exit code and closing message) on the result pipe and exits. The child's
-stdout and stderr go to OUT/logs/CELL.log after the run's own log lines (faulthandler's trace of a native crash too).
-The wall time recorded is the parent's, from the child's start to its end.
+one JSON line {"code": int, "message": str} (the run's exit code and closing message; UTF-8, at most REPORT_BYTES: the
+message's last characters that fit, report_line) on the result pipe and exits. The parent empties the result pipe
+without blocking on every poll, so no report, however long, blocks a child in its write, and reads the report from
+the last complete line (parse_report; anything the child wrote before it is ignored). The child's stdout and stderr go
+to OUT/logs/CELL.log after the run's own log lines (faulthandler's trace of a native crash too). The wall time
+recorded is the parent's, from the child's start to its end.
 
 Failure semantics:
 - a child that reports is recorded as a cell run in process is (runner.classify: done, diverged, failed, stopped);
 - a child that ends without reporting (killed by a signal, os._exit, a broken interpreter) is failed
   ("infrastructure"), its cause (SIGKILL, exit code 3) in the error, and the arena goes on; after a stop was forwarded
   to it, it is stopped (resumable) instead;
-- SIGINT / SIGTERM to the parent: each is forwarded to every running child once (the first: the runs stop after the
-  step in progress and checkpoint it; a second: they abort the step, keeping the last checkpoint), no cell starts
-  any more, the parent waits for the running ones, records each, and the arena exits 130 / 143. Rerunning the same
+- a child whose report is malformed (not JSON, a code that is no integer: Infinity, 1e999, "0", true; a message that
+  is no string) is failed ("infrastructure"), what is wrong in the error, and the arena goes on;
+- SIGINT / SIGTERM to the parent: each is forwarded, as itself, to every running child once, one signal per poll in
+  the order they came (the first: the runs stop after the step in progress and checkpoint it; a second: they abort the
+  step, keeping the last checkpoint; each one said on stderr), no cell starts any more, the parent waits for the
+  running ones, records each, and the arena exits 128 + the first signal (130 / 143). Rerunning the same
   command continues every stopped cell from its checkpoint. A child stopped by a signal the parent did not send (a
   `kill` of the child) stops the arena the same way, as a stopped cell does in process;
 - the parent killed outright (SIGKILL): the state keeps the cells in flight as "running" (resumed on the next start);
@@ -41,7 +47,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
 
 from nearpolicy.arena.runner import estimated_seconds, finish_record, start_record
@@ -52,7 +58,9 @@ from nearpolicy.runs.folder import last_step
 from nearpolicy.signals import STOP_SIGNALS, exit_description
 
 ENTRY = "nearpolicy.arena.workers"
-POLL_SECONDS = 0.25  # how often the parent looks at its children (exits, new steps, signals to forward)
+POLL_SECONDS = 0.25  # how often the parent looks at its children (exits, reports, new steps, signals to forward)
+REPORT_BYTES = 16384  # a child's report line at most (UTF-8): a quarter of Linux's 64 KiB pipe buffer
+KEPT_BYTES = 4 * REPORT_BYTES  # of what a child writes on its result pipe, the parent keeps the last KEPT_BYTES
 
 
 def train_name(train) -> str:
@@ -80,13 +88,21 @@ def _resolve(name: str):
 
 
 def check_workers(workers: int, train, cells: list[Cell]) -> list[str]:
-    """Warnings for running `cells` `workers` at a time (workers x run.threads above the CPU count). Raises
-    ValueError for workers < 1 or, above 1, a `train` a child cannot import (train_name)."""
+    """Warnings for running `cells` `workers` at a time (oversubscribed). Raises ValueError for workers < 1 or, above
+    1, a `train` a child cannot import (train_name)."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1 (got {workers})")
     if workers == 1:
         return []
     train_name(train)
+    return oversubscribed(workers, cells)
+
+
+def oversubscribed(workers: int, cells: list[Cell]) -> list[str]:
+    """The warning (a list of at most one) when `workers` x the largest run.threads of `cells` is above the CPU
+    count; none for one worker (the run then uses run.threads as it is)."""
+    if workers <= 1:
+        return []
     threads, cpus = max((c.config.run.threads for c in cells), default=1), os.cpu_count() or 1
     if workers * threads > cpus:
         return [f"--workers {workers} x run.threads {threads} = {workers * threads} threads on {cpus} CPU(s): the "
@@ -113,13 +129,17 @@ def parallel_eta(spec: ArenaSpec, state: ArenaState, running: list[tuple[Cell, f
 
 
 class _Stop:
-    """The parent's SIGINT / SIGTERM handlers while children run (main thread only): a signal is only counted here;
-    the loop forwards it (Workers._forward), so each child gets each signal once, whenever it started."""
+    """The parent's SIGINT / SIGTERM handlers while children run (main thread only): a signal is only recorded here,
+    in `signals` in the order they came; the loop handles them one per poll (Workers._forward), so each child gets
+    each signal once, as itself, whenever it started. `signum` is the first one (the arena's exit code), or None."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
-        self.count = 0
+        self.signals: list[int] = []
         self._previous: dict[int, object] = {}
+
+    @property
+    def signum(self) -> int | None:
+        return self.signals[0] if self.signals else None
 
     def __enter__(self) -> "_Stop":
         if threading.current_thread() is threading.main_thread():
@@ -133,8 +153,7 @@ class _Stop:
         self._previous.clear()
 
     def request(self, signum: int) -> None:
-        self.signum = self.signum or signum
-        self.count += 1
+        self.signals.append(signum)
 
 
 @dataclass
@@ -147,6 +166,7 @@ class _Child:
     first: int  # the cell's last logged step when it started
     seen: int
     forwarded: int = 0  # stop signals forwarded to it
+    report: bytearray = field(default_factory=bytearray)  # what it has written on its result pipe so far (the tail)
 
 
 class Workers:
@@ -158,7 +178,7 @@ class Workers:
         self.running: list[_Child] = []
         self.waiting: list[Cell] = []
         self.stop = _Stop()
-        self.announced = 0
+        self.handled = 0  # of stop.signals, those said and forwarded
 
     def run(self, order: list[Cell], first: int, last: int) -> int:
         """Run order[first:last] that are not final yet, up to `workers` at a time in the order given; returns as
@@ -203,7 +223,7 @@ class Workers:
         log_path = logs / f"{cell.folder}.log"
         first = last_step(cell.run_dir) or 0
         read, write = os.pipe()
-        os.set_blocking(read, False)  # read once the child has ended; a grandchild holding the write end cannot block
+        os.set_blocking(read, False)  # emptied on every poll (_drain), never waited on
         job = {"config": cell.config.model_dump(mode="json"), "resume": cell.run_dir.exists(), "log": str(log_path),
                "train": self.train, "sys_path": sys.path, "result_fd": write}
         try:
@@ -222,25 +242,45 @@ class Workers:
         self.say(self._line(child))
 
     def _forward(self) -> None:
-        """Send each running child the stop signals it has not had yet; say the first time each one arrives."""
-        if self.stop.count > self.announced:
-            self.announced = self.stop.count
-            what = ("stopping them after their steps in progress (checkpointed); send it again to abort now"
-                    if self.stop.count == 1 else "aborting their steps in progress")
-            self.say(f"{signal.Signals(self.stop.signum).name}: forwarded to the {len(self.running)} running "
-                     f"cell(s), {what}; no cell starts any more")
+        """Handle the next stop signal not handled yet, if any: say what it does and send it, as itself, to every
+        running child. One per poll, in the order they came, so that a child's handler sees each one apart (two
+        signals sent at once may arrive as one); no child starts once a stop is under way, so all got the same."""
+        if self.handled == len(self.stop.signals):
+            return
+        signum = self.stop.signals[self.handled]
+        self.handled += 1
+        if not self.running:
+            return
+        what = {1: ", stopping them after their steps in progress (checkpointed); send it again to abort now; no cell "
+                   "starts any more",
+                2: ", aborting their steps in progress; no cell starts any more"}.get(self.handled, " again")
+        self.say(f"{signal.Signals(signum).name}: forwarded to the {len(self.running)} running cell(s){what}")
         for child in self.running:
-            while child.forwarded < self.stop.count:
-                child.forwarded += 1
-                try:
-                    os.kill(child.proc.pid, self.stop.signum)
-                except ProcessLookupError:
-                    pass
+            child.forwarded += 1
+            try:
+                os.kill(child.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _drain(self, child: _Child) -> None:
+        """Add what `child` has written on its result pipe since the last look to child.report (its last
+        KEPT_BYTES), without blocking: a child never waits on a full pipe, whatever it writes."""
+        try:
+            while chunk := os.read(child.result, 65536):
+                child.report += chunk
+        except BlockingIOError:
+            pass
+        del child.report[:-KEPT_BYTES]
 
     def _reap(self) -> list[tuple[Cell, int]]:
-        """Record the children that have ended; returns (cell, the run's exit code) of each."""
+        """Empty every running child's result pipe; record the children that have ended; returns (cell, the run's
+        exit code) of each."""
         ended = []
-        for child in [c for c in self.running if c.proc.poll() is not None]:
+        for child in list(self.running):
+            self._drain(child)
+            if child.proc.poll() is None:
+                continue
+            self._drain(child)  # what it wrote between the first look and its end
             self.running.remove(child)
             code, message = self._outcome(child)
             finish_record(self.spec, self.state, child.cell, child.position, code, message,
@@ -249,22 +289,19 @@ class Workers:
         return ended
 
     def _outcome(self, child: _Child) -> tuple[int, str]:
-        """The (exit code, message) the child reported; else, for a child that ended without a word, a stop (when
-        one was forwarded to it) or an infrastructure failure naming how it ended."""
-        chunks = []
-        try:
-            while chunk := os.read(child.result, 65536):
-                chunks.append(chunk)
-        except BlockingIOError:
-            pass
+        """The (exit code, message) the child reported; for a malformed report an infrastructure failure saying
+        what is wrong; for a child that ended without a word, a stop (when one was forwarded to it) or an
+        infrastructure failure naming how it ended."""
         os.close(child.result)
         child.proc.stdin.close()
-        try:
-            report = json.loads(b"".join(chunks))
-            return int(report["code"]), str(report["message"])
-        except (ValueError, KeyError, TypeError):
-            pass
         how = exit_description(child.proc.returncode)
+        try:
+            report = parse_report(bytes(child.report))
+        except ValueError as err:
+            return 1, (f"error: the cell's worker process ended by {how} with a malformed report ({err}); its output "
+                       f"is in logs/{child.cell.folder}.log")
+        if report is not None:
+            return report
         if child.forwarded:
             return 128 + self.stop.signum, (f"stopped by {signal.Signals(self.stop.signum).name} (its worker process "
                                             f"ended by {how} before reporting)")
@@ -299,6 +336,43 @@ class Workers:
             time.sleep(POLL_SECONDS)
 
 
+def report_line(code: int, message: str) -> bytes:
+    """A child's report: the JSON line {"code": code, "message": the longest tail of `message` that fits} in UTF-8
+    (ensure_ascii off; a lone surrogate as its \\u escape), newline included, at most REPORT_BYTES long."""
+
+    def line(keep: int) -> bytes:
+        data = json.dumps({"code": code, "message": message[len(message) - keep:]}, ensure_ascii=False) + "\n"
+        return data.encode("utf-8", "backslashreplace")
+
+    low, high = 0, min(len(message), REPORT_BYTES)  # a character takes a byte at least
+    while low < high:  # the longest tail that fits: the line grows with the tail
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if len(line(mid)) <= REPORT_BYTES else (low, mid - 1)
+    return line(low)
+
+
+def parse_report(data: bytes) -> tuple[int, str] | None:
+    """The (exit code, message) of the report in `data` (what a child wrote on its result pipe): its last complete
+    line; None when it holds no complete line (the child ended without reporting; a line cut short is none). Raises
+    ValueError naming what is wrong when that line is no JSON object {"code": int (not bool), "message": str}:
+    json.loads reads Infinity and 1e999 as float."""
+    lines = [line for line in data.split(b"\n")[:-1] if line.strip()]
+    if not lines:
+        return None
+    try:
+        report = json.loads(lines[-1])
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"not JSON: {err}") from None
+    if not isinstance(report, dict):
+        raise ValueError(f"not a JSON object: {lines[-1][:80]!r}")
+    code, message = report.get("code"), report.get("message")
+    if not isinstance(code, int) or isinstance(code, bool):
+        raise ValueError(f"its code {code!r:.80} is no integer")
+    if not isinstance(message, str):
+        raise ValueError(f"its message {message!r:.80} is no string")
+    return code, message
+
+
 def _stop_when_orphaned() -> None:
     """The child's watch on its stdin: at its end (the parent died) the run stops as on SIGTERM. Reads the file
     descriptor itself: a daemon thread blocked in sys.stdin's buffered reader would hold its lock at exit."""
@@ -330,8 +404,8 @@ def child_main() -> int:
             code, message = 130, f"interrupted ({err or 'SIGINT'})"
         write(message)
     try:
-        with os.fdopen(job["result_fd"], "w", encoding="utf-8") as result:
-            result.write(json.dumps({"code": code, "message": message[-8000:]}) + "\n")
+        with os.fdopen(job["result_fd"], "wb") as result:
+            result.write(report_line(code, message))
     except OSError:
         pass  # the parent is gone; the state says "running" and the next start resumes the cell
     return 0
