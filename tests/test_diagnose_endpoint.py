@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from endpoint_stub import StubEngine, free_port, http_stub
 
-from nearpolicy.diagnosis.endpoint_client import EndpointClient, EndpointError, SampleRequest
+from nearpolicy.diagnosis.endpoint_client import MAX_TOKEN_ID, EndpointClient, EndpointError, SampleRequest
 from nearpolicy.diagnosis.endpoint_tokens import piece_index, resolve
 
 REQUEST = SampleRequest(0, 0, (1, 9690, 198), "<|im_start|>user\n", 3, 1.0, 1.0, 0, 7, 2, (0, 2, 4))
@@ -91,6 +94,92 @@ def test_a_connection_closed_before_or_during_the_answer_is_truncated():
     assert closed.cause == "truncated" and "closed" in str(closed).lower()
 
 
+def _with(path: tuple, value):
+    """_choice() with the field at `path` (keys / indices from the answer down) set to `value`."""
+    answer = _choice()
+    *parents, last = path
+    node = answer
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return answer
+
+
+LP = ("choices", 0, "logprobs")
+
+
+@pytest.mark.parametrize("answer, words", [
+    (_with(LP + ("token_logprobs",), [-0.5, 2.0, -0.5]), "2.0 is above 0"),  # the reviewer's 2.0, 5.0, 1e308: exit 1
+    (_with(LP + ("token_logprobs",), [-0.5, 1e308, -0.5]), "above 0"),
+    (_with(LP + ("token_logprobs",), [-0.5, math.inf, -0.5]), "inf is above 0"),  # was silently dropped
+    (_with(LP + ("token_logprobs",), [-0.5, math.nan, -0.5]), "not a number"),
+    (_with(LP + ("token_logprobs",), [-0.5, True, -0.5]), "True is not a number"),
+    (_with(LP + ("top_logprobs",), [{"token_id:28": 5.0}] * 3), "5.0 is above 0"),
+    (_with(LP, [{"token_logprobs": [-0.5] * 3}]), "logprobs is not an object"),  # was AttributeError: internal
+    (_with(LP, "token_logprobs"), "logprobs is not an object"),
+    (_with(LP + ("token_logprobs",), "-0.5"), "token_logprobs is not a list"),
+    (_with(("usage",), [3]), "usage is not an object"),
+    (_with(("choices", 0, "text"), 7), "text is not a string"),
+    (_with(LP + ("top_logprobs",), [{"token_id:1000000000": -0.5}] * 3), "'token_id:1000000000' is not a token id"),
+    (_with(LP + ("tokens",), ["token_id:28", "token_id:-1", "token_id:2"]), "'token_id:-1' is not a token id"),
+    (_with(("choices", 0, "token_ids"), [True, 253, 2]), "token_ids holds something other than token ids"),
+    (_with(("choices", 0, "token_ids"), [28, MAX_TOKEN_ID, 2]), "token_ids holds something other than token ids"),
+    (b"[" * 100_000, "not JSON"),  # was RecursionError in json.loads: internal
+])
+def test_answers_of_the_wrong_type_or_impossible_values_are_malformed(answer, words):
+    """Never a traceback or `internal`, and never a verdict: a log-prob above 0 once gave exit 1 "rejected"."""
+    err = _error(answer)
+    assert err.cause == "malformed" and words in str(err)
+
+
+def test_an_id_the_reference_vocabulary_lacks_is_a_tokenizer_mismatch_even_in_the_top_log_probs(smollm2_tokenizer):
+    vocab = len(smollm2_tokenizer)
+    answer = _choice(tokenizer=smollm2_tokenizer)
+    answer["choices"][0]["logprobs"]["top_logprobs"] = [{f"token_id:{vocab + 7}": -0.5}] * 3  # was IndexError later
+    listed = _sample(answer)
+    with pytest.raises(EndpointError, match=rf"outside the reference vocabulary \[0, {vocab}\)") as err:
+        resolve([listed], smollm2_tokenizer, {0, 2, 4})
+    assert err.value.cause == "tokenizer"
+
+
+@pytest.mark.parametrize("drip", ["body", "headers"])
+def test_a_server_that_drips_its_answer_times_out_on_the_wall_clock(drip):
+    """--timeout is per request: urllib's timeout bounds each socket read, which a byte every 0.2 s never trips."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)  # the thread ends even if no client comes
+    done = threading.Event()
+
+    def serve():
+        connection, _ = listener.accept()
+        with connection:
+            connection.settimeout(5)
+            connection.recv(65536)  # the request
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            if drip == "body":
+                connection.sendall(head)
+            for byte in (head if drip == "headers" else b" " * 1000)[:25]:  # 5 s, then it closes
+                if done.wait(0.2):
+                    return
+                try:
+                    connection.sendall(bytes([byte]))
+                except OSError:  # the client gave up
+                    return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EndpointError) as err:
+            EndpointClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1.0).models()
+        elapsed = time.monotonic() - t0
+    finally:
+        done.set()
+        thread.join(timeout=2)
+        listener.close()
+    assert err.value.cause == "timeout" and "within 1 s" in str(err.value)
+    assert 0.9 < elapsed < 2.0 and not thread.is_alive()
+
+
 def test_lengths_that_disagree_are_malformed():
     answer = _choice()
     answer["choices"][0]["logprobs"]["token_logprobs"].pop()
@@ -109,7 +198,7 @@ def test_http_errors_carry_the_servers_message_and_slow_servers_time_out():
     assert err.cause == "timeout" and "0.5 s" in str(err)
     with pytest.raises(EndpointError) as down:
         EndpointClient(f"http://127.0.0.1:{free_port()}").models()
-    assert down.value.cause == "unreachable"
+    assert down.value.cause == "unreachable" and "is a server listening there?" in str(down.value)
 
 
 def test_a_server_with_another_tokenizer_is_refused(smollm2_tokenizer):
@@ -178,6 +267,43 @@ def test_known_offsets_give_known_k3_and_a_hotter_sampler_is_caught(tiny, tiny_m
     assert any("temperature" in reason for reason in report["reasons"])
 
 
+def _mutated(engine: StubEngine, mutate):
+    """`engine`'s handler with each /v1/completions answer's choices[0].logprobs passed through `mutate` first."""
+
+    def handle(method, path, body):
+        status, answer = engine(method, path, body)
+        if path.endswith("/completions") and status == 200:
+            mutate(answer["choices"][0]["logprobs"])
+        return status, answer
+
+    return handle
+
+
+def _blank(value, first: int | None = None):
+    def mutate(lp):
+        lp["token_logprobs"][:first] = [value] * len(lp["token_logprobs"][:first])
+    return mutate
+
+
+@pytest.mark.slow  # four CLI runs of the tiny model
+@pytest.mark.parametrize("mutate, code, cause, words", [
+    (_blank(None), 2, "no_logprobs", "only 0 of 48 sampled tokens carry a finite log-prob"),  # was exit 0, 0 tokens
+    (_blank(-math.inf), 2, "no_logprobs", "only 0 of 48 sampled tokens"),
+    (_blank(-9999.0), 2, "no_logprobs", "only 0 of 48 sampled tokens"),  # vLLM's -inf
+    (_blank(None, first=1), 0, None, None),  # 44 of 48 >= 90 %: measured on those 44
+], ids=["none", "-inf", "vllm-9999", "one-per-completion"])
+def test_a_server_without_finite_log_probs_gets_no_verdict(tiny, tiny_model_dir, tmp_path, mutate, code, cause, words):
+    model, tokenizer = tiny
+    with http_stub(_mutated(StubEngine(model, tokenizer), mutate)) as (url, _):
+        done, report = _diagnose(tiny_model_dir, url, tmp_path, "--prompts", "2", "--group", "2")
+    assert done.returncode == code, done.stderr[-3000:]
+    if code == 2:
+        assert report["verdict"] is None and report["error"]["cause"] == cause and words in report["error"]["message"]
+    else:
+        assert report["verdict"] == "admitted" and report["endpoint_row"]["tokens"] == 44
+        assert report["endpoint_row"]["k3"] < 1e-9
+
+
 def test_a_failure_midway_gives_no_verdict_and_no_report(tiny, tiny_model_dir, tmp_path):
     model, tokenizer = tiny
     with http_stub(StubEngine(model, tokenizer, fail_after=5)) as (url, _):
@@ -213,3 +339,12 @@ def test_an_unexpected_error_is_no_verdict_never_a_rejection(monkeypatch, tmp_pa
     report = json.loads((tmp_path / "r.json").read_text())
     assert code == 2 and report["verdict"] is None and report["error"]["cause"] == "internal"
     assert "KeyError" in report["error"]["message"] and "Traceback" in capsys.readouterr().err
+
+
+def test_diagnose_help_names_the_no_verdict_exit_status(capsys):
+    from nearpolicy import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["diagnose", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit 0 when every candidate is admitted, 1 when one is rejected, 2 when there is no verdict" in text

@@ -221,7 +221,8 @@ def _add_diagnose(sub) -> None:
                        description="Sample responses from each candidate rollout configuration, recompute the "
                        "trainer's log-probs and admit or reject each against a k3 budget calibrated on the noise "
                        "floor (trainer vs the f32 engine). The table and a verdict line per candidate go to stdout, "
-                       "progress and logs to stderr. Exit 0 when every candidate is admitted, 1 otherwise.")
+                       "progress and logs to stderr. Exit 0 when every candidate is admitted, 1 when one is rejected, "
+                       "2 when there is no verdict (a bad option or config, an engine or server that fails).")
     d.add_argument("config", type=Path, nargs="?", help="TOML config for model, task and sampling (default: embedded)")
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     d.add_argument("--candidates", nargs="+", metavar="SPEC",

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from nearpolicy.batching import collate
-from nearpolicy.diagnosis.endpoint_client import EndpointClient, EndpointError, SampleRequest
+from nearpolicy.diagnosis.endpoint_client import ENGINE_ZERO, EndpointClient, EndpointError, SampleRequest
 from nearpolicy.diagnosis.endpoint_report import checks, endpoint_report, retokenization_row
 from nearpolicy.diagnosis.endpoint_tokens import ResolvedSample, TokenIdentity, resolve, retokenize
 from nearpolicy.diagnosis.measure import DiagnoseContext, summarise
@@ -42,7 +42,8 @@ from nearpolicy.ops.logprobs import token_logprobs_and_entropy, transformed_log_
 from nearpolicy.types import Rollout, SamplingParams
 
 LOGPROBS_MODES = ("raw", "processed")
-MIN_COVERAGE = 0.9  # fewer completions with recoverable ids than this fraction: no verdict (EndpointError)
+MIN_COVERAGE = 0.9  # fewer completions with recoverable ids, or sampled tokens with a finite log-prob, than this
+#                    fraction: no verdict (EndpointError)
 
 
 @dataclass
@@ -134,6 +135,7 @@ def _diagnose(ctx: DiagnoseContext, client: EndpointClient, served: str, setting
         raise EndpointError("tokenizer", f"only {len(measured)} of {len(resolved)} completions map to token ids "
                                          f"(the server returned token strings the reference vocabulary does not "
                                          f"hold); a verdict needs {MIN_COVERAGE:.0%}")
+    check_logprob_coverage([r for r, _ in measured])
     batch, top_ids, top_lp = _collate(ctx, measured, settings.top_logprobs)
     scored = score(ctx, batch, top_ids, top_lp, settings.logprobs_mode, settings.top_logprobs)
     defined = batch.mask & batch.has_rollout
@@ -145,6 +147,18 @@ def _diagnose(ctx: DiagnoseContext, client: EndpointClient, served: str, setting
     found = checks(scored, ctx.sampling, settings.diagnose, ctx.sampling.max_new_tokens, settings.top_logprobs)
     report = endpoint_report(ctx, settings, served, client.v1, reference, result, found, drift)
     return report, 0 if report["admitted"] else 1
+
+
+def check_logprob_coverage(measured: list[ResolvedSample]) -> None:
+    """Raises EndpointError("no_logprobs") unless at least MIN_COVERAGE of the measured completions' tokens carry a
+    finite log-prob from the server. A sampled token's None, -inf or <= ENGINE_ZERO (probability 0, impossible for a
+    token the server drew) is missing; the few tokens missing under the floor are left out of k3 (_collate)."""
+    total = sum(len(r.sample.logprobs) for r in measured)
+    finite = sum(lp is not None and math.isfinite(lp) for r in measured for lp in r.sample.logprobs)
+    if total == 0 or finite < MIN_COVERAGE * total:
+        raise EndpointError("no_logprobs", f"only {finite} of {total} sampled tokens carry a finite log-prob from "
+                                           f"the server (the others: none, -inf or <= {ENGINE_ZERO:g}, i.e. "
+                                           f"probability 0 for a token it drew); a verdict needs {MIN_COVERAGE:.0%}")
 
 
 def sample_requests(ctx: DiagnoseContext, stop_ids: set[int], top_logprobs: int) -> list[SampleRequest]:

@@ -13,23 +13,33 @@ repeat penalty 1.1; vLLM: the model's generation_config.json).
 Every failure raises EndpointError with a `cause` ("unreachable", "timeout", "http", "no_logprobs", "malformed",
 "truncated", "model") and a message naming it; nothing partial is returned. An HTTP error whose message is about
 log-probs (llama-cpp-python started with --logits_all false, more top log-probs than vLLM's --max-logprobs) is
-"no_logprobs"; a connection closed before or during the answer is "truncated". Stdlib only (urllib, threads).
+"no_logprobs"; a connection closed before or during the answer is "truncated". `--timeout` bounds each request's
+wall-clock time, headers and body included (_Deadline: urllib's own timeout bounds each socket operation only, so a
+server that drips bytes would never time out). Whatever the server sends is checked before it is used: a field of
+the wrong type, a log-prob above 0 (beyond LOGPROB_ROUNDING), +inf or NaN, a token id that is negative, a bool or
+absurd (>= MAX_TOKEN_ID) is "malformed", never an exception of another kind. Stdlib only (urllib, threads).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import http.client
 import json
 import math
 import re
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 ENGINE_ZERO = -9000.0  # a listed log-prob at or below this is "probability 0" (vLLM writes -9999.0 for -inf)
-_TOKEN_ID = re.compile(r"^token_id:(\d+)$")
+LOGPROB_ROUNDING = 1e-4  # nats a log-prob may lie above 0 by rounding; more is not a log-prob ("malformed")
+MAX_TOKEN_ID = 1 << 24  # no tokenizer has this many ids (the largest hold about 2**18): a bigger one is not an id
+_TOKEN_ID = re.compile(r"^token_id:(-?\d+)$")
 
 
 class EndpointError(RuntimeError):
@@ -95,31 +105,45 @@ class EndpointClient:
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.api_key}"}
                                                           if self.api_key else {})
         request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        deadline = _Deadline(self.timeout_s)
+        opener = urllib.request.build_opener(_WatchedHTTPHandler(deadline), _WatchedHTTPSHandler(deadline))
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with opener.open(request, timeout=self.timeout_s) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
-            raise EndpointError("http", f"{method} {url} answered HTTP {err.code}: {_server_message(err)}") from None
-        except (TimeoutError, socket.timeout):
-            raise EndpointError("timeout", f"{method} {url} gave no answer within {self.timeout_s:g} s "
-                                           "(--timeout)") from None
-        except urllib.error.URLError as err:
-            if isinstance(err.reason, (TimeoutError, socket.timeout)):
-                raise EndpointError("timeout", f"{method} {url} gave no answer within {self.timeout_s:g} s "
-                                               "(--timeout)") from None
-            if isinstance(err.reason, ConnectionResetError):  # accepted, then closed without an answer
-                raise EndpointError("truncated", f"{method} {url}: the server closed the connection without an "
-                                                 f"answer ({err.reason})") from None
-            raise EndpointError("unreachable", f"{method} {url}: {err.reason}") from None
-        except (ConnectionError, OSError, http.client.IncompleteRead) as err:  # reset or closed mid-answer
-            raise EndpointError("truncated", f"{method} {url}: the connection broke mid-answer ({err!r})") from None
-        except http.client.HTTPException as err:  # not HTTP at all
-            raise EndpointError("malformed", f"{method} {url}: not an HTTP answer ({err!r})") from None
+            message = _server_message(err)  # its body is read within the deadline too
+            if deadline.passed():
+                raise self._timed_out(method, url) from None
+            raise EndpointError("http", f"{method} {url} answered HTTP {err.code}: {message}") from None
+        except (OSError, http.client.HTTPException) as err:  # urllib.error.URLError is an OSError
+            raise self._failure(method, url, err, deadline.passed()) from None
+        finally:
+            deadline.cancel()
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep to parse
             raise EndpointError("malformed", f"{method} {url} answered something that is not JSON: "
                                              f"{raw[:200]!r}") from None
+
+    def _timed_out(self, method: str, url: str) -> EndpointError:
+        return EndpointError("timeout", f"{method} {url} gave no complete answer within {self.timeout_s:g} s "
+                                        "(--timeout)")
+
+    def _failure(self, method: str, url: str, err: Exception, expired: bool) -> EndpointError:
+        """The EndpointError of a request that raised `err`; `expired`: its deadline had passed (the watchdog shut
+        the socket, whatever error the read then gave)."""
+        reason = err.reason if isinstance(err, urllib.error.URLError) else err
+        if expired or isinstance(reason, TimeoutError):  # socket.timeout is TimeoutError
+            return self._timed_out(method, url)
+        if isinstance(err, urllib.error.URLError):
+            if isinstance(reason, ConnectionResetError):  # accepted, then closed without an answer
+                return EndpointError("truncated", f"{method} {url}: the server closed the connection without an "
+                                                  f"answer ({reason})")
+            return EndpointError("unreachable", f"{method} {url}: {reason} (is a server listening there? "
+                                                "docs/diagnose.md shows the llama_cpp.server and vLLM commands)")
+        if isinstance(err, (OSError, http.client.IncompleteRead)):  # reset or closed mid-answer
+            return EndpointError("truncated", f"{method} {url}: the connection broke mid-answer ({err!r})")
+        return EndpointError("malformed", f"{method} {url}: not an HTTP answer ({err!r})")
 
     def models(self) -> list[str]:
         """The model names GET /v1/models lists. Raises EndpointError (unreachable, timeout, http, malformed)."""
@@ -135,10 +159,11 @@ class EndpointClient:
         for url, body in ((f"{self.root}/extras/tokenize", {"input": text}),
                           (f"{self.root}/tokenize", {"prompt": text, "add_special_tokens": False})):
             try:
-                tokens = self._call("POST", url, body).get("tokens")
+                answer = self._call("POST", url, body)
             except EndpointError:
                 continue
-            if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+            if isinstance(tokens, list) and all(_is_id(t) for t in tokens):
                 return tokens
         return None
 
@@ -194,60 +219,162 @@ class EndpointClient:
         return parse_choice(answer, r, "text" if as_text else "ids")
 
 
+class _Deadline:
+    """The wall-clock limit of one request: when `seconds` have passed, every socket it watches is shut down, which
+    ends a read still waiting on it (a server that drips bytes passes every per-operation socket timeout)."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+        if self.passed():
+            self._expire()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):  # socket.socket's own shutdown: for TLS too, without unwrapping
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+class _Watched:
+    """A connection whose socket its request's _Deadline watches (mixed into HTTP(S)Connection)."""
+
+    def __init__(self, *args, deadline: _Deadline, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._deadline = deadline
+
+    def connect(self):
+        super().connect()
+        self._deadline.watch(self.sock)
+
+
+class _WatchedHTTP(_Watched, http.client.HTTPConnection):
+    pass
+
+
+class _WatchedHTTPS(_Watched, http.client.HTTPSConnection):
+    pass
+
+
+class _DeadlineHandler:
+    """Mixed into urllib's HTTP(S) handlers: their connections are _Watched by `deadline`."""
+
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def do_open(self, http_class, req, **kwargs):
+        watched = _WatchedHTTPS if issubclass(http_class, http.client.HTTPSConnection) else _WatchedHTTP
+        return super().do_open(functools.partial(watched, deadline=self.deadline), req, **kwargs)
+
+
+class _WatchedHTTPHandler(_DeadlineHandler, urllib.request.HTTPHandler):
+    pass
+
+
+class _WatchedHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
+    pass
+
+
 def _server_message(err: urllib.error.HTTPError) -> str:
     try:
         body = err.read().decode(errors="replace")
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return str(err.reason)
     try:
         parsed = json.loads(body)
         inner = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
         message = inner.get("message") or inner.get("detail") if isinstance(inner, dict) else inner
         body = str(message or parsed)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return " ".join(body.split())[:400]
 
 
 def parse_choice(answer: dict, r: SampleRequest, sent_as: str) -> EndpointSample:
     """The EndpointSample of a /v1/completions answer to request `r`. Raises EndpointError: `no_logprobs` when the
-    answer carries no per-token log-probs, `malformed` when its fields disagree in length or hold non-numbers,
-    `truncated` when the completion ended for another reason than a stop or the token limit, or holds fewer
-    tokens than the limit that ended it or than its usage reports."""
+    answer carries no per-token log-probs, `malformed` when a field has the wrong type, the fields disagree in
+    length, a log-prob is not one (a non-number, NaN, +inf, or above 0 by more than LOGPROB_ROUNDING) or a token id is
+    not one (negative, a bool, >= MAX_TOKEN_ID), `truncated` when the completion ended for another reason than a stop
+    or the token limit, or holds fewer tokens than the limit that ended it or than its usage reports. A sampled
+    token's log-prob of None, -inf or <= ENGINE_ZERO is kept as None / -inf: endpoint.py counts it as missing."""
     where = f"prompt {r.prompt_index} sample {r.sample_index}"
     try:
         choice = answer["choices"][0]
-        text = choice.get("text") or ""
+        text = choice.get("text")
         logprobs = choice.get("logprobs")
         finish = choice.get("finish_reason")
     except (KeyError, IndexError, TypeError, AttributeError):
         raise EndpointError("malformed", f"{where}: no choices[0] in the answer {str(answer)[:200]}") from None
-    if not logprobs or not isinstance(logprobs.get("token_logprobs"), list):
+    if not (logprobs is None or isinstance(logprobs, dict)):
+        raise EndpointError("malformed", f"{where}: choices[0].logprobs is not an object: {str(logprobs)[:80]}")
+    if not logprobs or logprobs.get("token_logprobs") is None:
         raise EndpointError("no_logprobs", f"{where}: the server returned no per-token log-probs (asked for "
                                            f"logprobs={r.top_logprobs}); llama-cpp-python needs logits_all=True, "
                                            "vLLM --max-logprobs >= the number asked")
-    tokens, values = logprobs.get("tokens") or [], logprobs["token_logprobs"]
-    tops = logprobs.get("top_logprobs") or [None] * len(values)
+    text = "" if text is None else text
+    values, usage = logprobs["token_logprobs"], {} if answer.get("usage") is None else answer["usage"]
+    tokens, tops = logprobs.get("tokens") or [], logprobs.get("top_logprobs") or [None] * _length(values)
+    for name, value, kind, called in (("token_logprobs", values, list, "a list"), ("tokens", tokens, list, "a list"),
+                                      ("text", text, str, "a string"), ("top_logprobs", tops, list, "a list"),
+                                      ("usage", usage, dict, "an object")):
+        if not isinstance(value, kind):
+            raise EndpointError("malformed", f"{where}: {name} is not {called}: {str(value)[:80]}")
+    if not all(isinstance(t, str) for t in tokens):
+        raise EndpointError("malformed", f"{where}: tokens holds something other than strings: {str(tokens)[:80]}")
     ids = _completion_ids(choice.get("token_ids"), tokens, where)
     n = len(ids) if ids is not None else len(tokens)
     if not (len(values) == len(tops) == n) or (tokens and len(tokens) != n):
         raise EndpointError("malformed", f"{where}: {n} tokens but {len(values)} log-probs and {len(tops)} "
                                          "top-log-prob entries")
-    usage = answer.get("usage") or {}
     _check_complete(finish, n, r, usage, where)
     return EndpointSample(r, text, ids, None if ids is not None else [str(t) for t in tokens],
                           [_number(v, where) for v in values], [_top_entries(t, where) for t in tops], finish,
                           sent_as, _ids_or_none(choice.get("prompt_token_ids")), usage)
 
 
+def _length(value) -> int:
+    return len(value) if isinstance(value, list) else 0
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKEN_ID
+
+
+def _token_id(key: str, where: str) -> int | None:
+    """The id N of a token spelled `token_id:N` (vLLM's return_tokens_as_token_ids), None for any other string;
+    a negative or absurd N is malformed."""
+    m = _TOKEN_ID.match(key)
+    if m is None:
+        return None
+    if len(m.group(1)) > 9 or not _is_id(int(m.group(1))):  # 9 digits: int() of a huge string is slow or refused
+        raise EndpointError("malformed", f"{where}: {key[:40]!r} is not a token id (0 <= id < {MAX_TOKEN_ID})")
+    return int(m.group(1))
+
+
 def _completion_ids(token_ids, tokens: list, where: str) -> list[int] | None:
-    if isinstance(token_ids, list):
-        if not all(isinstance(t, int) and t >= 0 for t in token_ids):
-            raise EndpointError("malformed", f"{where}: token_ids holds something other than ids")
+    if token_ids is not None:
+        if not (isinstance(token_ids, list) and all(_is_id(t) for t in token_ids)):
+            raise EndpointError("malformed", f"{where}: token_ids holds something other than token ids "
+                                             f"(0 <= id < {MAX_TOKEN_ID}): {str(token_ids)[:80]}")
         return list(token_ids)
-    matched = [_TOKEN_ID.match(str(t)) for t in tokens]
-    if tokens and all(matched):
-        return [int(m.group(1)) for m in matched]
+    matched = [_token_id(t, where) for t in tokens]
+    if tokens and all(m is not None for m in matched):
+        return matched
     return None
 
 
@@ -260,15 +387,19 @@ def _check_complete(finish, n: int, r: SampleRequest, usage: dict, where: str) -
     if n > r.max_tokens:
         raise EndpointError("malformed", f"{where}: {n} tokens returned, more than max_tokens {r.max_tokens}")
     reported = usage.get("completion_tokens")
-    if isinstance(reported, int) and reported not in (n, n + 1):  # + 1: a server that drops the stop token
+    if _is_id(reported) and reported not in (n, n + 1):  # + 1: a server that drops the stop token
         raise EndpointError("truncated", f"{where}: usage says {reported} completion tokens, the answer holds {n}")
 
 
 def _number(value, where: str) -> float | None:
+    """A log-prob the server sent (nats): None kept, <= ENGINE_ZERO (vLLM's -9999.0 for -inf) as -inf; anything
+    that is not a log-prob raises EndpointError("malformed")."""
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise EndpointError("malformed", f"{where}: log-prob {value!r} is not a number")
+    if value > LOGPROB_ROUNDING:  # +inf too
+        raise EndpointError("malformed", f"{where}: log-prob {value!r} is above 0: not a log-prob")
     return float(value) if value > ENGINE_ZERO else -math.inf
 
 
@@ -279,10 +410,10 @@ def _top_entries(top, where: str) -> dict:
         raise EndpointError("malformed", f"{where}: top_logprobs entry {str(top)[:80]} is not an object")
     out = {}
     for key, value in top.items():
-        m = _TOKEN_ID.match(str(key))
-        out[int(m.group(1)) if m else str(key)] = _number(value, where)
+        i = _token_id(key, where)
+        out[key if i is None else i] = _number(value, where)
     return out
 
 
 def _ids_or_none(values) -> list[int] | None:
-    return list(values) if isinstance(values, list) and all(isinstance(v, int) for v in values) else None
+    return list(values) if isinstance(values, list) and all(_is_id(v) for v in values) else None

@@ -31,7 +31,8 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
                    "processed_logprobs). Default raw")
     g.add_argument("--top-logprobs", type=int, default=5,
                    help="top log-probs asked per token for the full-distribution check, 0-20 (default 5)")
-    g.add_argument("--timeout", type=float, default=120.0, help="seconds per request (default 120)")
+    g.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds per request, wall clock: headers and body (default 120)")
     g.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     g.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the server's API key")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the JSON report to PATH")

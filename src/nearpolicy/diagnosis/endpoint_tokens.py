@@ -62,7 +62,8 @@ def piece_index(tokenizer) -> dict[str, int]:
 
 def resolve(samples: list[EndpointSample], tokenizer, stop_ids: set[int]) -> tuple[list[ResolvedSample], TokenIdentity]:
     """Ids of every sample (module docstring) and the tokenizer check. Raises EndpointError (cause "tokenizer")
-    when the server's tokens disagree with the reference tokenizer on most completions or strings."""
+    when the server's tokens disagree with the reference tokenizer on most completions or strings, or a sampled or
+    listed id lies outside its vocabulary."""
     text_only = any(s.completion_ids is None for s in samples)
     identity = TokenIdentity("token strings" if text_only else "server ids", samples[0].prompt_sent_as if samples else "ids",
                              completions=len(samples))
@@ -83,8 +84,9 @@ def resolve(samples: list[EndpointSample], tokenizer, stop_ids: set[int]) -> tup
         identity.dropped_top_entries += dropped
         resolved.append(ResolvedSample(s, ids, tops, dropped))
     _check_tokenizer(identity, known, total, len(tokenizer))
-    for r in resolved:
-        if r.completion_ids is not None and any(not 0 <= t < len(tokenizer) for t in r.completion_ids):
+    for r in resolved:  # ids the client accepted (0 <= id < endpoint_client.MAX_TOKEN_ID) but this vocabulary lacks
+        listed = [i for row in r.top_ids for i in row]
+        if any(not 0 <= t < len(tokenizer) for t in [*(r.completion_ids or []), *listed]):
             raise EndpointError("tokenizer", f"the server returned token ids outside the reference vocabulary "
                                              f"[0, {len(tokenizer)}): a different tokenizer")
     return resolved, identity
