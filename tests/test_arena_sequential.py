@@ -216,10 +216,14 @@ def test_bad_sequential_keys_are_refused_naming_the_key(tmp_path, edit, match):
         load_arena(_arena(tmp_path, edit(ARENA)))
 
 
-def test_stop_on_accepts_the_outcomes_comparisons_lists_at_run_time(tmp_path, monkeypatch):
-    monkeypatch.setattr(comparisons, "WHICH", comparisons.WHICH + ("newest",))
-    spec = load_arena(_arena(tmp_path, ARENA.replace("target_mde", 'stop_on = "newest"\ntarget_mde')))
-    assert spec.sequential.stop_on == "newest"
+def test_stop_on_accepts_every_outcome_the_comparisons_describe(tmp_path):
+    from nearpolicy.arena.spec import OUTCOME_NAMES
+
+    assert comparisons.WHICH == OUTCOME_NAMES  # one list: spec.py names them, comparisons.py describes each
+    for name in OUTCOME_NAMES:
+        (tmp_path / name).mkdir()
+        spec = load_arena(_arena(tmp_path / name, ARENA.replace("target_mde", f'stop_on = "{name}"\ntarget_mde')))
+        assert spec.sequential.stop_on == name
 
 
 # ---- the runner ------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@
     sequential = false               # true: run seed by seed, stop once every comparison is settled (sequential.py)
     target_mde = 0.05                # a CI containing 0 with an MDE <= this settles as a null (in (0, 1); required)
     min_seeds = 3                    # the first look after this many seeds (>= 3; the seeds listed are the most run)
-    stop_on = "final"                # the outcome the rule judges (one of comparisons.WHICH)
+    stop_on = "final"                # the outcome the rule judges (one of OUTCOME_NAMES)
 
     [corrections]                    # the arms: a preset, --set overrides, or both
     off = { preset = "off" }
@@ -48,6 +48,8 @@ from typing import Any
 
 from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
 from nearpolicy.config.checks import read_toml
+
+OUTCOME_NAMES = ("final", "best", "auc", "late_reward")  # the outcomes an arena compares (comparisons.OUTCOMES)
 
 NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]|_(?!_))*(?<![._-])$")
 """Arm names: letters, digits, '.', '-', '_'; starting and ending with a letter or digit, no '__' (the cell folder
@@ -281,8 +283,7 @@ def _sequential(arena: dict, seeds: int) -> Sequential | None:
     """arena.sequential's settings when it is true (None when false or absent); target_mde, min_seeds and stop_on
     are validated either way. Raises ArenaError naming the key: sequential not a boolean, target_mde not in (0, 1)
     (or missing with sequential = true), min_seeds not an integer >= 3 (and, when on, at most the seeds listed),
-    stop_on not an outcome of comparisons.WHICH."""
-    from nearpolicy.arena.comparisons import WHICH  # read at run time: the outcomes may grow; imports spec.py
+    stop_on not one of OUTCOME_NAMES."""
 
     on = arena.get("sequential", False)
     if not isinstance(on, bool):
@@ -299,8 +300,8 @@ def _sequential(arena: dict, seeds: int) -> Sequential | None:
         raise ArenaError(f"arena.min_seeds must be an integer >= 3 and at most the {seeds} seeds listed in "
                          f"arena.seeds (the first look is after min_seeds seeds), got {least!r}")
     stop_on = arena.get("stop_on", "final")
-    if stop_on not in WHICH:
-        raise ArenaError(f"arena.stop_on must be one of {', '.join(WHICH)} (the outcome the rule judges), "
+    if stop_on not in OUTCOME_NAMES:
+        raise ArenaError(f"arena.stop_on must be one of {', '.join(OUTCOME_NAMES)} (the outcome the rule judges), "
                          f"got {stop_on!r}")
     return Sequential(float(target), least, stop_on) if on else None
 

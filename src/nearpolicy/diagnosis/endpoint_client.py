@@ -14,7 +14,7 @@ Every failure raises EndpointError with a `cause` ("unreachable", "timeout", "ht
 "truncated", "model") and a message naming it; nothing partial is returned. An HTTP error whose message is about
 log-probs (llama-cpp-python started with --logits_all false, more top log-probs than vLLM's --max-logprobs) is
 "no_logprobs"; a connection closed before or during the answer is "truncated". `--timeout` bounds each request's
-wall-clock time, headers and body included (_Deadline: urllib's own timeout bounds each socket operation only, so a
+wall-clock time, headers and body included (endpoint_transport.Deadline: urllib's own timeout bounds each socket operation only, so a
 server that drips bytes would never time out). Whatever the server sends is checked before it is used: a field of
 the wrong type, a log-prob above 0 (beyond LOGPROB_ROUNDING), +inf or NaN, a token id that is negative, a bool or
 absurd (>= MAX_TOKEN_ID) is "malformed", never an exception of another kind. Stdlib only (urllib, threads).
@@ -22,19 +22,16 @@ absurd (>= MAX_TOKEN_ID) is "malformed", never an exception of another kind. Std
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import http.client
 import json
 import math
 import re
-import socket
-import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from nearpolicy.diagnosis.endpoint_transport import Deadline, WatchedHTTPHandler, WatchedHTTPSHandler
 
 ENGINE_ZERO = -9000.0  # a listed log-prob at or below this is "probability 0" (vLLM writes -9999.0 for -inf)
 LOGPROB_ROUNDING = 1e-4  # nats a log-prob may lie above 0 by rounding; more is not a log-prob ("malformed")
@@ -105,8 +102,8 @@ class EndpointClient:
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.api_key}"}
                                                           if self.api_key else {})
         request = urllib.request.Request(url, data=data, headers=headers, method=method)
-        deadline = _Deadline(self.timeout_s)
-        opener = urllib.request.build_opener(_WatchedHTTPHandler(deadline), _WatchedHTTPSHandler(deadline))
+        deadline = Deadline(self.timeout_s)
+        opener = urllib.request.build_opener(WatchedHTTPHandler(deadline), WatchedHTTPSHandler(deadline))
         try:
             with opener.open(request, timeout=self.timeout_s) as response:
                 raw = response.read()
@@ -217,77 +214,6 @@ class EndpointClient:
                     from None
             raise
         return parse_choice(answer, r, "text" if as_text else "ids")
-
-
-class _Deadline:
-    """The wall-clock limit of one request: when `seconds` have passed, every socket it watches is shut down, which
-    ends a read still waiting on it (a server that drips bytes passes every per-operation socket timeout)."""
-
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def passed(self) -> bool:
-        return time.monotonic() >= self.end
-
-    def watch(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._sockets.append(sock)
-        if self.passed():
-            self._expire()
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-    def _expire(self) -> None:
-        with self._lock:
-            for sock in self._sockets:
-                with contextlib.suppress(OSError):  # socket.socket's own shutdown: for TLS too, without unwrapping
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-
-class _Watched:
-    """A connection whose socket its request's _Deadline watches (mixed into HTTP(S)Connection)."""
-
-    def __init__(self, *args, deadline: _Deadline, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._deadline = deadline
-
-    def connect(self):
-        super().connect()
-        self._deadline.watch(self.sock)
-
-
-class _WatchedHTTP(_Watched, http.client.HTTPConnection):
-    pass
-
-
-class _WatchedHTTPS(_Watched, http.client.HTTPSConnection):
-    pass
-
-
-class _DeadlineHandler:
-    """Mixed into urllib's HTTP(S) handlers: their connections are _Watched by `deadline`."""
-
-    def __init__(self, deadline: _Deadline):
-        super().__init__()
-        self.deadline = deadline
-
-    def do_open(self, http_class, req, **kwargs):
-        watched = _WatchedHTTPS if issubclass(http_class, http.client.HTTPSConnection) else _WatchedHTTP
-        return super().do_open(functools.partial(watched, deadline=self.deadline), req, **kwargs)
-
-
-class _WatchedHTTPHandler(_DeadlineHandler, urllib.request.HTTPHandler):
-    pass
-
-
-class _WatchedHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
-    pass
 
 
 def _server_message(err: urllib.error.HTTPError) -> str:
