@@ -33,19 +33,7 @@ eval_size = 4
 eval_every = 1
 """
 
-ARENA = """
-[arena]
-base = "base.toml"
-seeds = [0, 1, 2]
-baseline = "off"
-
-[corrections]
-off = { preset = "off" }
-tis = { preset = "tis" }
-
-[sources]
-q8 = { set = ["engine.precision='q8_0'"] }
-"""
+from test_arena_paired import ARENA  # noqa: E402  (off and tis under q8_0, 3 seeds: the paired tests' arena)
 
 
 def _spec(tmp_path: Path, arena: str = ARENA, base: str = BASE):

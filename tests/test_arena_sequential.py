@@ -15,10 +15,9 @@ import pytest
 from nearpolicy.arena import comparisons, sequential
 from nearpolicy.arena.paired import paired_seeds
 from nearpolicy.arena.runner import dry_run, run_arena
-from nearpolicy.arena.sequential import (Judgment, Rule, betainc, decide, judge, mde_multiplier, noncentral_power,
-                                         t_quantile)
+from nearpolicy.arena.sequential import Judgment, Rule, decide, judge
 from nearpolicy.arena.spec import ArenaError, load_arena
-from nearpolicy.ops.t_quantiles import M80, T975
+from nearpolicy.ops.t_quantiles import M80, T975, betainc, mde_multiplier, noncentral_power, t_quantile
 
 LEVEL3 = 0.05 / 3  # K = 3 looks: 5 seeds listed, min_seeds 3
 
@@ -152,14 +151,7 @@ def test_under_a_true_null_the_rules_false_detection_rate_is_at_most_alpha():
 
 # ---- the arena file --------------------------------------------------------------------------------------------
 
-BASE = """
-[run]
-steps = 2
-[task]
-eval_size = 4
-[logging]
-eval_every = 1
-"""
+from test_arena import BASE  # noqa: E402  (the same two-step base config as the arena tests)
 
 ARENA = """
 [arena]

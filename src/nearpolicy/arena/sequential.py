@@ -28,127 +28,21 @@ adjusted for the number of comparisons (as comparisons.py's fixed-sample CIs are
 power, not of equality: the MDE treats the observed SE as the true one (Bloom 1995, Evaluation Review 19(5),
 547-556), so its false-null rate is not bounded by this rule.
 
-Quantiles, without scipy: `t_quantile` inverts Student's t CDF, F(t) = 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2
-for t >= 0 (Abramowitz & Stegun 26.7.1 with 26.5.27), I the regularized incomplete beta by its continued fraction
-(A&S 26.5.8, evaluated by the modified Lentz method: Press et al., Numerical Recipes, 3rd ed., sec. 6.4), by
-bisection. `mde_multiplier` is the exact noncentral-t multiplier of ops/t_quantiles.M80 at any level: the delta with
-P(|T'| > t_{1 - level / 2, df}) = power, T' = (Z + delta) / S noncentral t, S = sqrt(chi2_df / df); the power is
-E_S[Phi(delta - c S) + Phi(-delta - c S)], integrated over S's density by Simpson's rule, and delta found by
-bisection (tests/test_arena_sequential.py reproduces M80 at level 0.05 and checks other levels by simulation)."""
+Quantiles and the MDE multiplier at any level: ops/t_quantiles.py (t_quantile, mde_multiplier), without scipy."""
 
 from __future__ import annotations
 
-import functools
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nearpolicy.arena.paired import NO_SPREAD, Paired
 from nearpolicy.arena.spec import ArenaSpec
+from nearpolicy.ops.t_quantiles import mde_multiplier, t_quantile
 
 ALPHA = 0.05
-POWER = 0.80
 RECORD = "arena-sequential.json"
 FORMAT = 1
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta (A&S 26.5.8), modified Lentz, to 1e-15."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 10_000):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            return h
-    raise ArithmeticError(f"incomplete beta continued fraction did not converge (a={a}, b={b}, x={x})")
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """I_x(a, b), the regularized incomplete beta function, for a, b > 0 and x in [0, 1] (module docstring).
-    Raises ValueError outside that domain."""
-    if not (a > 0 and b > 0 and 0.0 <= x <= 1.0):
-        raise ValueError(f"betainc needs a, b > 0 and 0 <= x <= 1, got a={a}, b={b}, x={x}")
-    if x in (0.0, 1.0):
-        return x
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with df > 0 degrees of freedom (A&S 26.7.1 via the incomplete beta)."""
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
-
-
-@functools.lru_cache(maxsize=512)
-def t_quantile(p: float, df: float) -> float:
-    """t_{p, df}: the p-quantile of Student's t (bisection on t_cdf to a relative 1e-12). Raises ValueError unless
-    0 < p < 1 and df > 0."""
-    if not (0.0 < p < 1.0 and df > 0):
-        raise ValueError(f"t_quantile needs 0 < p < 1 and df > 0, got p={p}, df={df}")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < p:
-        low, high = high, 2.0 * high
-    for _ in range(200):
-        mid = 0.5 * (low + high)
-        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
-        if high - low <= 1e-12 * high:
-            break
-    return 0.5 * (low + high)
-
-
-def _phi(x: float) -> float:
-    return 0.5 * math.erfc(-x / math.sqrt(2.0))
-
-
-def noncentral_power(delta: float, c: float, df: int, points: int = 4000) -> float:
-    """P(|T'| > c), T' noncentral t with df degrees of freedom and noncentrality delta: the power of the two-sided
-    t test with critical value c (module docstring; Simpson's rule over S = sqrt(chi2_df / df) on [0, 1 + 10 /
-    sqrt(df)], `points` intervals)."""
-    top = 1.0 + 10.0 / math.sqrt(df)
-    h = top / points
-    log_norm = math.log(2.0) + (df / 2.0) * math.log(df / 2.0) - math.lgamma(df / 2.0)
-    total = 0.0
-    for k in range(points + 1):
-        s = k * h
-        if s == 0.0:
-            density = math.exp(log_norm) if df == 1 else 0.0
-        else:
-            density = math.exp(log_norm + (df - 1) * math.log(s) - df * s * s / 2.0)
-        weight = 1 if k in (0, points) else 4 if k % 2 else 2
-        total += weight * density * (_phi(delta - c * s) + _phi(-delta - c * s))
-    return total * h / 3.0
-
-
-@functools.lru_cache(maxsize=512)
-def mde_multiplier(level: float, df: int, power: float = POWER) -> float:
-    """M(level, df): the MDE in units of SE for the two-sided paired t test at `level` with df degrees of freedom
-    and the given power: the noncentrality delta with noncentral_power(delta, t_{1 - level / 2, df}, df) = power
-    (bisection to 1e-6). At level 0.05 and power 0.80 it is ops/t_quantiles.M80. Raises ValueError unless
-    0 < level < 1, df >= 1 and 0 < power < 1."""
-    if not (0.0 < level < 1.0 and df >= 1 and 0.0 < power < 1.0):
-        raise ValueError(f"mde_multiplier needs 0 < level < 1, df >= 1, 0 < power < 1; got {level}, {df}, {power}")
-    c = t_quantile(1.0 - level / 2.0, df)
-    low, high = 0.0, c + 5.0
-    while noncentral_power(high, c, df) < power:
-        low, high = high, 2.0 * high
-    while high - low > 1e-6:
-        mid = 0.5 * (low + high)
-        low, high = (mid, high) if noncentral_power(mid, c, df) < power else (low, mid)
-    return 0.5 * (low + high)
 
 
 @dataclass(frozen=True)
