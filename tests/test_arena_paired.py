@@ -284,3 +284,31 @@ def test_a_constant_difference_with_float_rounding_is_not_established():
     boot = paired_bootstrap(np.full((3, 4), 0.3), np.full((3, 4), 0.2))
     assert boot.se <= NO_SPREAD and verdict(boot).startswith("not established")
     assert verdict(paired_seeds(a, {0: 0.2, 1: 0.1, 2: 0.5})).startswith(("difference detected", "no difference"))
+
+
+def test_seeds_for_mde_scales_the_observed_se_by_root_seeds():
+    from nearpolicy.arena.paired import seeds_for_mde
+
+    # 3 seeds, SE 0.0346 (the dose sweep's noise1 vs f32): M80[n-1] * 0.0346 * sqrt(3 / n) first <= 0.05 at n = 14
+    # (13 seeds: 3.031 * 0.0346 * 0.4804 = 0.0504; 14: 3.013 * 0.0346 * 0.4629 = 0.0483)
+    p = Paired("seeds", -0.04, -0.19, 0.11, 0.0346, M80[1] * 0.0346, 3, None, 2)
+    assert seeds_for_mde(p, 0.05) == 14
+    assert seeds_for_mde(p, 0.2) == 3  # already met at 3 seeds (MDE 0.196)
+    assert seeds_for_mde(p, 1e-4) is None  # not within MOST_SEEDS
+    boot = Paired("problems x seeds", 0.0, -0.1, 0.1, 0.03, 0.084, 3, 256)
+    assert seeds_for_mde(boot, 0.05) is None
+    with pytest.raises(ValueError):
+        seeds_for_mde(p, 0.0)
+
+
+def test_a_null_statement_says_how_many_seeds_its_spread_needs():
+    from nearpolicy.arena.comparisons import PairedComparison
+    from nearpolicy.arena.paired import seeds_for_mde
+
+    p = paired_seeds({0: 0.50, 1: 0.60, 2: 0.55}, {0: 0.52, 1: 0.55, 2: 0.60})
+    c = PairedComparison(("tis", "q4_1"), ("off", "q4_1"), "late_reward", p, None, None, None, None, 3)
+    assert "no difference detected" in c.statement()
+    assert f"about {seeds_for_mde(p, 0.05)} seeds would bring its MDE to 0.05" in c.statement()
+    detected = paired_seeds({0: 0.70, 1: 0.71, 2: 0.72}, {0: 0.50, 1: 0.52, 2: 0.50})
+    c2 = PairedComparison(("tis", "q4_1"), ("off", "q4_1"), "late_reward", detected, None, None, None, None, 3)
+    assert "seeds would bring" not in c2.statement()

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nearpolicy.arena.paired import Paired, paired_bootstrap, paired_seeds, problem_noise_floor, t975, verdict
+from nearpolicy.arena.paired import (MOST_SEEDS, Paired, paired_bootstrap, paired_seeds, problem_noise_floor,
+                                     seeds_for_mde, t975, verdict)
 from nearpolicy.arena.table import MIN_SEEDS, Aggregate, CellResult, Comparison, compare
 
 
@@ -46,6 +47,7 @@ OUTCOMES = {
     "late_reward": Outcome("late_reward", "mean training reward of the last {steps}", "late reward (last {steps})"),
 }
 WHICH = tuple(OUTCOMES)
+PLANNING_MDE = 0.05  # a null's statement says how many seeds at its spread would bring its MDE to this (issue 37's bar)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,10 @@ class PairedComparison:
         p = self.seeds
         said = (f"paired over seeds {', '.join(str(s) for s, _ in p.per_seed)}: {verdict(p)} (per-seed differences "
                 f"{', '.join(f'{d:+.3f}' for _, d in p.per_seed)}; paired t, df {p.df}; {self._se_said()})")
+        if not p.detected and p.se > 0 and p.mde > PLANNING_MDE:
+            n = seeds_for_mde(p, PLANNING_MDE)
+            said += (f"; at this spread about {n} seeds would bring its MDE to {PLANNING_MDE}" if n is not None else
+                     f"; at this spread no number of seeds up to {MOST_SEEDS} brings its MDE to {PLANNING_MDE}")
         if OUTCOMES[self.which].per_problem is not None:
             said += "; over problems x seeds: " + (
                 f"{verdict(self.problems)} ({self.problems.problems} problems x {self.problems.seeds} seeds, paired "
@@ -213,7 +219,9 @@ METHOD = (
     "bootstrap over problems x seeds (10 000 replicates, each drawing seeds and problems with replacement, the same draws for both "
     "arms; percentile CI; Owen 2007's two-way bootstrap), which includes the eval set's noise itself. MDE: the "
     "smallest true difference detected with 80 % power at a two-sided 5 % level, taking the SE as the true one: "
-    "M x SE, M the exact noncentral-t multiplier for n - 1 df (5.653 at 3 seeds), 2.802 for the bootstrap. 'bound "
+    "M x SE, M the exact noncentral-t multiplier for n - 1 df (5.653 at 3 seeds), 2.802 for the bootstrap; a null "
+    "over seeds with an MDE above 0.05 says how many seeds would bring it to 0.05 if the spread stayed as observed "
+    "(the SE scaled by sqrt(n / N), a planning figure: 3 seeds estimate the spread loosely). 'bound "
     "set by': the eval set when its floor exceeds the seeds' SE, else not known (the floor is only a lower bound). "
     "A difference is detected when its CI excludes 0; otherwise 'no difference detected' (not: the arms are the "
     "same). The CIs are not adjusted for the number of comparisons (of k with no true difference, about 0.05 k "

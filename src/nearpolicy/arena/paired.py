@@ -39,6 +39,7 @@ NO_SPREAD = 1e-12  # an SE this small is float rounding of equal differences (0.
 Z_MDE = 1.959964 + 0.841621  # z_0.975 + z_0.80: the normal MDE multiplier (the bootstrap's)
 REPLICATES = 10_000
 BOOTSTRAP_SEED = 0
+MOST_SEEDS = 400  # seeds_for_mde looks no further
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,22 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, seeds: list[int] | None = Non
     labels = seeds if seeds is not None else list(range(n_seeds))
     return Paired("problems x seeds", float(d.mean()), float(low), float(high), se, Z_MDE * se, n_seeds, n_problems,
                   None, tuple((s, float(row.mean())) for s, row in zip(labels, d)))
+
+
+def seeds_for_mde(p: Paired, target: float, most: int = MOST_SEEDS) -> int | None:
+    """The fewest seeds n >= 2 at which a paired t comparison with this one's spread would have MDE <= `target`
+    (accuracy units): the SE scaled as 1 / sqrt(n) from the observed one (p.se at p.seeds seeds; the seeds' spread
+    and the eval-set floor both shrink so with more seeds), m80(n - 1) x p.se x sqrt(p.seeds / n) <= target. A
+    planning figure that takes the observed spread as the true one (3 seeds estimate it loosely). None when `most`
+    seeds would not do, or for a bootstrap comparison (p.method != "seeds"). Raises ValueError unless target > 0."""
+    if target <= 0:
+        raise ValueError(f"seeds_for_mde needs a target > 0, got {target}")
+    if p.method != "seeds":
+        return None
+    for n in range(2, most + 1):
+        if m80(n - 1) * p.se * math.sqrt(p.seeds / n) <= target:
+            return n
+    return None
 
 
 def verdict(p: Paired) -> str:
