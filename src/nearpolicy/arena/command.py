@@ -1,5 +1,5 @@
-"""`nearpolicy arena ARENA.toml [--out DIR] [--dry-run] [--only CELL_GLOB] [--page] [--workers N]`: the
-sub-command's parser and handler (cli.py adds it)."""
+"""`nearpolicy arena ARENA.toml [--out DIR] [--dry-run] [--only CELL_GLOB] [--page] [--workers N] [--adopt DIR]`:
+the sub-command's parser and handler (cli.py adds it)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ hold the table (final and best held-out accuracy as mean +- sd over seeds, diver
 the correction changed, step time), every comparison paired by seed (difference, 95 % CI, minimum detectable
 difference at 80 % power; a CI containing 0 is "no difference detected"), and plots of eval accuracy and k3 over
 steps. Progress (cell i/N, its step, the arena's ETA) goes to stderr; each cell's start-up log to OUT/logs/CELL.log.
+
+--adopt DIR (repeatable) first takes, instead of running them, the pending cells that another arena's folder DIR
+already finished (done or diverged) with the identical config (run.output_dir aside): their run folders and logs are
+copied into OUT and their records carried over; each cell refused says why (not in DIR, not final there, or the first
+config key that differs, with both values). DIR is only read; with --dry-run nothing is copied.
 
 With arena.sequential = true the cells run seed by seed, and after each seed from arena.min_seeds on a sequential
 rule judges every comparison of the arena.stop_on outcome at the level 0.05 / K (K looks; Bonferroni: a false
@@ -50,6 +55,9 @@ def add_arena_parser(sub) -> None:
                    help="run up to N cells at a time, each in a child process (default 1: one after another in this "
                         "process); with arena.sequential = true only cells of the same seed run together. Keep N x "
                         "run.threads within the CPU count (a warning says when it is not, --dry-run too)")
+    a.add_argument("--adopt", type=Path, action="append", metavar="DIR",
+                   help="before running, copy in the pending cells another arena folder DIR finished (done or "
+                        "diverged) with the identical config; repeatable; DIR is only read (docs/arena.md)")
     a.set_defaults(func=arena_command)
 
 
@@ -61,6 +69,10 @@ def arena_command(args: argparse.Namespace) -> int:
         return 2
     try:
         spec = load_arena(args.arena, args.out)
+        if args.adopt:
+            from nearpolicy.arena.adopt import adopt_into
+
+            adopt_into(spec, args.adopt, args.only, args.dry_run, lambda msg: print(msg, file=sys.stderr, flush=True))
         if args.dry_run:
             from nearpolicy.arena.runner import dry_run
 
