@@ -39,6 +39,35 @@ def gemm_flops_per_s(n: int, seconds: float) -> float:
 
 
 HF_ARM = "nearpolicy-hf-bf16"  # the GRPO arm with the in-process bf16 engine (docs/results.md sec. 13)
+EQUAL_ARMS = ("nearpolicy-equal-length", "trl-equal-length")  # every response exactly L tokens on both sides
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0 <= q <= 1) with linear interpolation between order statistics (numpy's and torch's default
+    method). Raises ValueError if empty."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        raise ValueError("quantile needs at least one value")
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict:
+    """One step's response-length distribution: {"response_tokens" (mean), "response_p50", "response_p90",
+    "truncated_share" (share cut at the token limit), "trained_tokens" (sum: the completion tokens the step trains
+    on)}, lengths in tokens. Raises ValueError if empty or of different sizes."""
+    if len(lengths) != len(truncated) or not lengths:
+        raise ValueError(f"{len(lengths)} lengths and {len(truncated)} truncation flags")
+    return {"response_tokens": statistics.fmean(lengths), "response_p50": quantile(lengths, 0.5),
+            "response_p90": quantile(lengths, 0.9), "truncated_share": sum(map(bool, truncated)) / len(truncated),
+            "trained_tokens": float(sum(lengths))}
+
+
+def seconds_per_1k_tokens(step_s: Sequence[float], trained_tokens: Sequence[float]) -> float:
+    """Seconds per 1000 trained completion tokens over a run's timed steps: 1000 x sum(step s) / sum(tokens)."""
+    return 1000.0 * sum(step_s) / max(sum(trained_tokens), 1e-9)
 
 
 def decode_bound_tokens_per_s(gemm_flops: float, parameters: int) -> float:
@@ -109,6 +138,10 @@ def derive(res: dict) -> dict:
         out["grpo_step_ratio"] = ratio(grpo["nearpolicy"]["step_s"], grpo["trl"]["step_s"])
     if HF_ARM in grpo and "trl" in grpo:
         out["grpo_step_ratio_hf_bf16"] = ratio(grpo[HF_ARM]["step_s"], grpo["trl"]["step_s"])
+    if "nearpolicy" in grpo and "trl" in grpo and "s_per_1k_tokens" in grpo["trl"]:
+        out["grpo_token_ratio"] = ratio(grpo["nearpolicy"]["s_per_1k_tokens"], grpo["trl"]["s_per_1k_tokens"])
+    if all(name in grpo for name in EQUAL_ARMS):
+        out["grpo_step_ratio_equal_length"] = ratio(*(grpo[name]["step_s"] for name in EQUAL_ARMS))
     if "nearpolicy" in grpo:
         out["diagnostics_overhead"] = grpo["nearpolicy"]["diagnostics_fraction"]
         if "nearpolicy-no-diagnostics" in grpo:
@@ -160,13 +193,22 @@ def render_markdown(res: dict, d: dict, command: str, notes: str = "", raw: str 
         for name, g in grpo.items():
             ph = g.get("phases", {})
             b = g.get("batch", {})
+            quantiles = " / ".join("n/a" if b.get(k) is None else f"{b[k]['median']:.0f}"
+                                   for k in ("response_p50", "response_p90"))
             rows.append([name, fmt(g["step_s"], 2), fmt(ph.get("rollout"), 2), fmt(ph.get("update"), 2),
-                         fmt(ph.get("sync"), 2), fmt(b.get("response_tokens"), 1),
+                         fmt(ph.get("sync"), 2), fmt(b.get("response_tokens"), 1), quantiles,
+                         fmt(b.get("truncated_share"), 2), fmt(g.get("s_per_1k_tokens"), 2),
                          fmt(b.get("zero_advantage_rows"), 2), fmt_mib(g.get("peak_rss_kib"))])
         lines += [md_table(["system", "s / step", "rollout s", "update s", "weight sync s", "response tokens",
-                            "forward-only rows / constant groups", "peak RSS MiB"], rows), "",
+                            "p50 / p90", "truncated", "s / 1k trained tokens", "forward-only rows / constant groups",
+                            "peak RSS MiB"], rows), "",
                   "Response tokens: mean completion length per step (each system samples its own, so the work per "
-                  "step differs). Forward-only rows / constant groups: for nearpolicy `actor/inert_rows`, the share "
+                  "step differs); p50 / p90 and truncated (the share cut at the token limit) are per step, medians "
+                  "over runs of each run's mean over its steps; s / 1k trained tokens: a run's step time over the "
+                  "completion tokens its steps trained on. The equal-length rows (`--equal-length on`) ignore stop "
+                  "tokens on both sides (nearpolicy `sampling.ignore_eos`, TRL `min_new_tokens`), so every response "
+                  f"is exactly {s['grpo_new_tokens']} tokens. Forward-only rows / constant groups: for nearpolicy "
+                  "`actor/inert_rows`, the share "
                   "of rows its update ran forward only because their gradient is exactly 0 (update.inert_rows: "
                   "zero advantage or no loss token; a mini-batch of such rows keeps one micro-batch's backward); for "
                   "TRL `frac_reward_zero_std`, the share of groups of constant reward, whose rows it runs forward and "
@@ -174,6 +216,14 @@ def render_markdown(res: dict, d: dict, command: str, notes: str = "", raw: str 
         if "grpo_step_ratio" in d:
             r = d["grpo_step_ratio"]
             lines += [f"nearpolicy / TRL step time: **{r['median']:.2f}** ({r['min']:.2f}-{r['max']:.2f}).", ""]
+        if "grpo_token_ratio" in d:
+            r = d["grpo_token_ratio"]
+            lines += [f"Per trained token (s / 1k trained tokens, nearpolicy / TRL): {r['median']:.2f} "
+                      f"({r['min']:.2f}-{r['max']:.2f}).", ""]
+        if "grpo_step_ratio_equal_length" in d:
+            r = d["grpo_step_ratio_equal_length"]
+            lines += [f"Equal length ({' / '.join(EQUAL_ARMS)}: the same tokens sampled, forwarded and trained per "
+                      f"step): {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}).", ""]
         if "grpo_step_ratio_hf_bf16" in d:
             r = d["grpo_step_ratio_hf_bf16"]
             lines += [f"With the in-process bf16 engine ({HF_ARM}: `engine.kind=hf`, `engine.hf_dtype=bf16`, "

@@ -6,6 +6,9 @@
 Every measurement runs in its own process (bench/workers.py, bench/trl_grpo.py, `nearpolicy train`), so the
 peak RSS reported is that configuration's. Writes docs/benchmarks.json (raw runs) and docs/benchmarks.md.
 `--quick` shrinks every size and runs once: a smoke test of the harness, not a result.
+The GRPO part runs each system at its natural response lengths (each samples its own) and, with `--equal-length on`
+(the default), once more with stop tokens ignored on both sides (nearpolicy `sampling.ignore_eos`, TRL
+`min_new_tokens`), every response exactly the token limit: the same tokens sampled, forwarded and trained per step.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import HF_ARM, derive, render_markdown, step_times, summarize, train_flops_per_token  # noqa: E402
+from harness import (EQUAL_ARMS, HF_ARM, derive, length_stats, render_markdown, seconds_per_1k_tokens,  # noqa: E402
+                     step_times, summarize, train_flops_per_token)
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLLOUTS = ["llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "hf:fp32", "hf:bf16", "transformers-generate",
             "transformers-generate+logprobs"]
 HF_ENGINE = ("engine.kind=hf", "engine.hf_dtype=bf16")
+IGNORE_EOS = ("sampling.ignore_eos=true",)  # nearpolicy's side of the equal-length arm (TRL's: --min-new-tokens)
 FULL = dict(prompts=4, group=8, new_tokens=128, grpo_new_tokens=64, grpo_steps=6, micro_batch=8, gemm_n=2048,
             gemm_inner=5, train_batch=8, train_seq=128, train_inner=3, eval_size=32, lr=2e-5)
 QUICK = dict(prompts=2, group=2, new_tokens=8, grpo_new_tokens=8, grpo_steps=1, micro_batch=2, gemm_n=512,
@@ -114,10 +119,10 @@ class Harness:
                 f"sampling.max_new_tokens={s['grpo_new_tokens']}",
                 "algorithm.lr_schedule=constant", "algorithm.warmup_steps=0"]  # TRL's constant lr, not the recipe's
 
-    def nearpolicy_grpo(self, name: str, diagnostics: bool, engine: tuple[str, ...] = ()) -> dict | None:
-        """One `nearpolicy train` run of configs/main.toml at the harness's GRPO settings; `engine`: extra overrides
-        (the hf:bf16 arm)."""
-        sets = self.grpo_overrides() + list(engine) + [
+    def nearpolicy_grpo(self, name: str, diagnostics: bool, extra: tuple[str, ...] = ()) -> dict | None:
+        """One `nearpolicy train` run of configs/main.toml at the harness's GRPO settings; `extra`: more overrides
+        (the hf:bf16 arm's engine, the equal-length arm's ignore_eos)."""
+        sets = self.grpo_overrides() + list(extra) + [
             f"run.output_dir='{self.tmp}'", f"run.name={name}", f"logging.diagnostics={str(diagnostics).lower()}",
             "logging.eval_every=1000000", "logging.checkpoint_every=1000000", "logging.keep_checkpoints=1",
             "logging.tensorboard=false", "logging.progress=false"]
@@ -134,36 +139,55 @@ class Harness:
         steps = [r for r in rows if r.get("step", 0) >= 1]
         kept = steps[1:] if len(steps) > 1 else steps
         times = step_times(rows)
+        samples = self.s["prompts"] * self.s["group"]
+        nan = float("nan")
         return {"step_s": times, "peak_rss_kib": rss,
-                "batch": {"response_tokens": [r.get("response/length_mean", float("nan")) for r in kept],
-                          "zero_advantage_rows": [r.get("actor/inert_rows", float("nan")) for r in kept]},
+                "batch": {"response_tokens": [r.get("response/length_mean", nan) for r in kept],
+                          "response_p50": [r.get("response/length_p50", nan) for r in kept],
+                          "response_p90": [r.get("response/length_p90", nan) for r in kept],
+                          "truncated_share": [r.get("response/frac_truncated", nan) for r in kept],
+                          "trained_tokens": [r.get("response/length_mean", nan) * samples for r in kept],
+                          "zero_advantage_rows": [r.get("actor/inert_rows", nan) for r in kept]},
                 "phases": {k: [r.get(f"time/{k}", 0.0) for r in kept] for k in ("rollout", "recompute", "update", "sync", "diagnostics")},
                 "diagnostics_fraction": [r.get("time/diagnostics", 0.0) / t for r, t in zip(kept, times)]}
 
-    def trl_grpo(self) -> dict | None:
+    def trl_grpo(self, equal_length: bool = False) -> dict | None:
+        """One bench/trl_grpo.py run; `equal_length`: no stop before grpo_new_tokens (its --min-new-tokens)."""
         s = self.s
         r = self.worker("", python=self.args.trl_python, script="bench/trl_grpo.py", model_dir=self.hf_dir,
                         steps=s["grpo_steps"], prompts=s["prompts"], group=s["group"], new_tokens=s["grpo_new_tokens"],
+                        min_new_tokens=s["grpo_new_tokens"] if equal_length else 0,
                         micro_batch=s["micro_batch"], set=self.grpo_overrides(), **self.common())
         if r is None:
             return None
         times = r["step_s_runs"]
         self.trl_version = r["trl"]
-        batch = {k: v[1:] if len(v) > 1 else v for k, v in r.get("batch", {}).items() if v}
+        batch = dict(r.get("batch", {}))
+        per_step = [length_stats(n, cut) for n, cut in zip(r.get("lengths", []), r.get("truncated", []))]
+        batch |= {k: [st[k] for st in per_step] for k in (per_step[0] if per_step else {})}
+        batch = {k: v[1:] if len(v) > 1 else v for k, v in batch.items() if v}
         return {"step_s": times[1:] if len(times) > 1 else times, "peak_rss_kib": r["peak_rss_kib"], "batch": batch}
 
     def grpo(self) -> dict:
-        """Repeats interleaved (nearpolicy, nearpolicy without diagnostics, TRL) so drift hits all alike; each run's
-        figure is its mean step time over the steps after the warm-up one."""
-        runs: dict[str, list[dict]] = {"nearpolicy": [], "nearpolicy-no-diagnostics": [], HF_ARM: [], "trl": []}
+        """Repeats interleaved (nearpolicy, nearpolicy without diagnostics, the hf:bf16 arm, TRL, then the
+        equal-length pair) so drift hits all alike; each run's figure is its mean step time over the steps after the
+        warm-up one, and its seconds per 1000 trained completion tokens over the same steps."""
+        runs: dict[str, list[dict]] = {"nearpolicy": [], "nearpolicy-no-diagnostics": [], HF_ARM: [], "trl": [],
+                                       **{name: [] for name in EQUAL_ARMS}}
         hf_arm = self.args.hf_arm == "on" or (self.args.hf_arm == "auto" and cpu_has_amx())
+        equal = self.args.equal_length == "on"
+        trl = self.args.trl_python is not None
         for rep in range(self.args.repeats):
             print(f" GRPO repeat {rep + 1}/{self.args.repeats}", flush=True)
             for name, fn in (("nearpolicy", lambda: self.nearpolicy_grpo(f"on-{rep}", True)),
                              ("nearpolicy-no-diagnostics", lambda: self.nearpolicy_grpo(f"off-{rep}", False)),
                              (HF_ARM, (lambda: self.nearpolicy_grpo(f"hf-{rep}", True, HF_ENGINE)) if hf_arm
                               else lambda: None),
-                             ("trl", self.trl_grpo if self.args.trl_python else lambda: None)):
+                             ("trl", self.trl_grpo if trl else lambda: None),
+                             (EQUAL_ARMS[0], (lambda: self.nearpolicy_grpo(f"equal-{rep}", True, IGNORE_EOS)) if equal
+                              else lambda: None),
+                             (EQUAL_ARMS[1], (lambda: self.trl_grpo(equal_length=True)) if equal and trl
+                              else lambda: None)):
                 r = fn()
                 if r is not None:
                     runs[name].append(r)
@@ -176,6 +200,9 @@ class Harness:
                          "peak_rss_kib": max(r["peak_rss_kib"] for r in rs)}
             if rs[0].get("batch"):
                 out[name]["batch"] = {k: summarize([mean(r["batch"][k]) for r in rs]) for k in rs[0]["batch"]}
+                if "trained_tokens" in rs[0]["batch"]:
+                    per_token = [seconds_per_1k_tokens(r["step_s"], r["batch"]["trained_tokens"]) for r in rs]
+                    out[name]["s_per_1k_tokens"] = summarize(per_token)
             if "phases" in rs[0]:
                 out[name]["phases"] = {k: summarize([mean(r["phases"][k]) for r in rs]) for k in rs[0]["phases"]}
                 out[name]["diagnostics_fraction"] = summarize([mean(r["diagnostics_fraction"]) for r in rs])
@@ -198,7 +225,9 @@ class Harness:
 
     def run(self) -> dict:
         a, s = self.args, self.s
-        res = {"settings": s | {"threads": a.threads, "repeats": a.repeats, "quick": a.quick}, "machine": self.machine()}
+        res = {"settings": s | {"threads": a.threads, "repeats": a.repeats, "quick": a.quick,
+                                "equal_length": s["grpo_new_tokens"] if a.equal_length == "on" else None},
+               "machine": self.machine()}
         print(f"benchmark ({'quick' if a.quick else 'full'}), logs in {self.log}", flush=True)
         print(" GEMM peak", flush=True)
         res["gemm"] = self.gemm()
@@ -247,6 +276,9 @@ def main() -> None:
     p.add_argument("--hf-arm", choices=["auto", "on", "off"], default="auto",
                    help=f"the GRPO arm {HF_ARM} ({' '.join(HF_ENGINE)}); auto: on a CPU with AMX (bf16 matmuls "
                         "without AMX were not measured)")
+    p.add_argument("--equal-length", choices=["on", "off"], default="on",
+                   help=f"the GRPO arms {' and '.join(EQUAL_ARMS)}: stop tokens ignored on both sides, every response "
+                        "exactly the GRPO token limit long (the same work per step)")
     p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks")
     p.add_argument("--render", type=Path, default=None,
                    help="re-write the markdown from an earlier run's JSON (no measurement), e.g. docs/benchmarks.json")

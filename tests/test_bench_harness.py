@@ -144,6 +144,53 @@ def test_the_hf_bf16_arm_gets_its_own_ratio_line_and_not_the_target():
     assert "| GRPO step <= 0.33 x TRL's | 0.25x | met |" in md  # the target stays the main job's engine
 
 
+def test_length_stats_quantiles_and_seconds_per_trained_token():
+    # linear interpolation (numpy's default): p50 of 10 values sits between the 5th and 6th, p90 at 0.1 of 9th->10th
+    lengths = [3, 64, 10, 20, 64, 7, 30, 12, 64, 8]
+    st = harness.length_stats(lengths, [n == 64 for n in lengths])
+    assert st == {"response_tokens": 28.2, "response_p50": 16.0, "response_p90": 64.0, "truncated_share": 0.3,
+                  "trained_tokens": 282.0}
+    assert harness.quantile([1, 2, 3, 4], 0.9) == pytest.approx(3.7) and harness.quantile([5], 0.5) == 5.0
+    with pytest.raises(ValueError):
+        harness.length_stats([1, 2], [False])
+    # 2 steps of 10 s and 14 s over 800 + 400 trained tokens: 24 s / 1.2k tokens
+    assert harness.seconds_per_1k_tokens([10.0, 14.0], [800.0, 400.0]) == pytest.approx(20.0)
+
+
+def test_length_gap_intervals_take_prompts_as_the_unit():
+    import length_gap
+
+    # per-prompt means 2 and 6: mean 4, sd 2 sqrt 2, half-width t_{0.975, 1} x 2 sqrt 2 / sqrt 2 = 12.7062 x 2
+    r = length_gap.mean_ci([[1, 3], [5, 7]])
+    assert r["mean"] == 4.0 and r["ci95"] == pytest.approx(2 * 12.7062, rel=1e-4)
+    # paired: per-prompt differences 1 and 3 (the samples' order within a prompt does not matter)
+    d = length_gap.paired_difference([[2, 4], [9, 9]], [[2, 2], [5, 7]])
+    assert d["mean"] == 2.0 and d["ci95"] == pytest.approx(12.7062, rel=1e-4)
+    s = length_gap.summary([[3, 64], [10, 20]], [[False, True], [False, False]])
+    assert (s["mean"], s["p50"], s["truncated_share"], s["n"]) == (24.25, 15.0, 0.25, 4)
+    with pytest.raises(ValueError):
+        length_gap.mean_ci([[1, 2]])
+
+
+def test_per_token_and_equal_length_ratios_are_derived_and_shown():
+    res = _results()
+    s = harness.summarize
+    res["grpo"]["nearpolicy"] |= {"s_per_1k_tokens": s([11.0, 12.0, 13.0]),
+                                  "batch": {"response_tokens": s([28.0]), "response_p50": s([24.0]),
+                                            "response_p90": s([64.0]), "truncated_share": s([0.25])}}
+    res["grpo"]["trl"]["s_per_1k_tokens"] = s([22.0, 24.0, 26.0])
+    res["grpo"]["nearpolicy-equal-length"] = {"step_s": s([15.0, 16.0, 17.0])}
+    res["grpo"]["trl-equal-length"] = {"step_s": s([50.0, 52.0, 54.0])}
+    d = harness.derive(res)
+    assert d["grpo_token_ratio"]["median"] == pytest.approx(0.5)
+    assert d["grpo_step_ratio_equal_length"] == pytest.approx({"median": 16 / 52, "min": 15 / 54, "max": 17 / 50})
+    md = harness.render_markdown(res, d, "make bench", profiles.notes(res, d))
+    assert "| 28.0 | 24 / 64 | 0.25 | 12.00 (11.00-13.00) |" in md
+    assert "Per trained token (s / 1k trained tokens, nearpolicy / TRL): 0.50 (0.42-0.59)." in md
+    assert "Equal length (nearpolicy-equal-length / trl-equal-length" in md and "step): 0.31 (0.28-0.34)." in md
+    assert "| GRPO step <= 0.33 x TRL's | 0.25x | met |" in md  # the target stays the natural-length ratio
+
+
 def test_runs_table_keeps_each_k3_third_in_its_column(tmp_path):
     """A run two steps in: its first third holds no step, shown as '-', so the later thirds stay in their columns
     (they moved left, the second third read as the first)."""
@@ -199,3 +246,14 @@ def test_the_arena_figures_file_is_what_the_script_prints_from_the_committed_cel
     assert printed == (root / "docs/arena-runs/figures.txt").read_text()
     assert "trainer wait at step 1 17-39 s, then 34-99 s at 12 steps" in printed  # eta = 4 (the page said 54-63 s)
     assert "arena-mc-grpo: machine time 7021 s (1.95 h); 18 of 18 cells done, 4.2-10.3 min each" in printed
+
+
+def test_the_dose_recovery_file_is_what_the_script_prints_from_the_committed_cells():
+    """docs/arena.md's "about half the loss recovered" figures come from bench/dose_recovery.py over the committed
+    tarballs; the committed output must be what the script prints now."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    printed = subprocess.run([sys.executable, str(root / "bench/dose_recovery.py")], check=True, capture_output=True,
+                             text=True).stdout
+    assert printed == (root / "docs/arena-runs/dose-recovery.txt").read_text()

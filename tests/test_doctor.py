@@ -33,8 +33,8 @@ def test_doctor_reports_this_machine_and_probes_the_engine_in_child_processes(tm
     text = "\n".join(lines)
     assert code == 0, text
     names = [line[7:].split()[0] for line in lines]
-    assert names == ["cpu", "cpu", "load", "torch", "gemm", "gemm", "llama-cpp-python", "probe", "probe", "disk",
-                     "chromium"]
+    assert names == ["cpu", "cpu", "load", "torch", "gemm", "gemm", "memory", "llama-cpp-python", "probe", "probe",
+                     "disk", "chromium"]
     assert "AVX2 = 1" in text and "AMX_INT8 = 1" not in text  # the pinned build: AVX2 on, AMX compiled out
     probes = [line for line in lines if "probe extra_buffers=" in line]
     assert len(probes) == 2 and all(line.startswith("[ok  ]") and "decoded q4_1 in a child process" in line
@@ -49,3 +49,16 @@ def test_a_busy_machine_is_a_warning_with_the_load_figures():
     assert busy.line() == ("[warn] load                     3.2 runnable processes (1-min load average) on 2 cores; "
                            "the machine is busy: timings and GEMM speed read low")
     assert machine_load(0.4, 2).line().endswith("on 2 cores, quiet") and machine_load(0.4, 2).ok
+
+
+def test_memory_bandwidth_counts_stream_bytes(monkeypatch):
+    """copy moves 2 arrays, triad 3 (STREAM's counting): with a clock that advances 1 s per reading, each kernel takes
+    1 s, so 1 MiB float32 arrays read as 2 x 2^20 and 3 x 2^20 bytes/s."""
+    import itertools
+
+    import nearpolicy.doctor as doctor_module
+
+    ticks = itertools.count()
+    monkeypatch.setattr(doctor_module.time, "perf_counter", lambda: float(next(ticks)))
+    bw = doctor_module.memory_bandwidth(mib=1, repeats=2)
+    assert bw == {"copy": pytest.approx(2 * 2**20 / 1e9, rel=1e-12), "triad": pytest.approx(3 * 2**20 / 1e9, rel=1e-12)}

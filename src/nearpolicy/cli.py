@@ -92,11 +92,13 @@ LIST_WIDTH = 100  # `nearpolicy list` lines fit a terminal this wide
 def _registries():
     from nearpolicy.ops.advantages import ADVANTAGES
     from nearpolicy.ops.correction_presets import CORRECTIONS
+    from nearpolicy.ops.data_policies import DATA_POLICIES
     from nearpolicy.ops.kl import KL_ESTIMATORS
     from nearpolicy.ops.losses import POLICY_LOSSES
     from nearpolicy.ops.turn_credit import TURN_CREDIT
 
-    return ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS, TURN_CREDIT  # a KL estimator's summary: its gradient
+    # a KL estimator's summary: its gradient
+    return ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS, TURN_CREDIT, DATA_POLICIES
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -105,7 +107,8 @@ def _list(args: argparse.Namespace) -> int:
     if args.name:
         return _list_entry(args.name)
     for registry in _registries():
-        print(f"{registry.family}{'es' if registry.family.endswith('s') else 's'}:")
+        family = registry.family
+        print(f"{family[:-1] + 'ies' if family.endswith('y') else family + ('es' if family.endswith('s') else 's')}:")
         for entry in registry:
             head = f"  {entry.name:<28} "
             print(head + textwrap.shorten(entry.summary, LIST_WIDTH - len(head), placeholder=" ..."))

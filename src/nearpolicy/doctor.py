@@ -1,7 +1,7 @@
 """`nearpolicy doctor`: what a bug report needs, measured on this machine: CPU model and SIMD flags, llama.cpp's
 compiled features and a startup probe of the shipped GGUF with llama.cpp's extra buffers off and on (each in its own
-process, so a crash is reported, not suffered), torch's version, threads and GEMM GFLOP/s, free disk for
-checkpoints, and the Chromium the report test drives. Exit code 1 when a required piece is missing."""
+process, so a crash is reported, not suffered), torch's version, threads, GEMM GFLOP/s and memory bandwidth (the two
+rates of engines/roofline.py), free disk for checkpoints, and the Chromium the report test drives. Exit code 1 when a required piece is missing."""
 
 from __future__ import annotations
 
@@ -61,6 +61,25 @@ def gemm_gflops(dtype, n: int = 512, seconds: float = 0.5) -> float:
     return 2 * n**3 * count / (time.perf_counter() - t0) / 1e9
 
 
+def memory_bandwidth(mib: int = 128, repeats: int = 5) -> dict[str, float]:
+    """STREAM-like memory bandwidth of torch on its threads, GB/s (1e9 bytes/s), best of `repeats`, over float32
+    arrays of `mib` MiB each, far larger than a last-level cache: {"copy": c = a, counted as 2 arrays moved; "triad":
+    a = b + s c, 3 arrays} (McCalpin's STREAM counting; write-allocate traffic not counted)."""
+    import torch
+
+    n = mib * 2**20 // 4
+    a, b, c = torch.ones(n), torch.full((n,), 2.0), torch.zeros(n)  # written once: the pages are mapped before timing
+    best = {"copy": float("inf"), "triad": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        c.copy_(a)
+        t1 = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        t2 = time.perf_counter()
+        best = {"copy": min(best["copy"], t1 - t0), "triad": min(best["triad"], t2 - t1)}
+    return {"copy": 2 * n * 4 / best["copy"] / 1e9, "triad": 3 * n * 4 / best["triad"] / 1e9}
+
+
 def engine_probe(extra_buffers: bool) -> Check:
     """Load the shipped Q4_1 GGUF in a child process and decode a few tokens (the run's startup probe)."""
     from nearpolicy.engines.base import EngineError
@@ -104,6 +123,9 @@ def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
            Check("torch", f"{torch.__version__}, {torch.get_num_threads()} threads"),
            Check("gemm fp32", f"{gemm_gflops(torch.float32):.0f} GFLOP/s (512^3, torch)"),
            Check("gemm bf16", f"{gemm_gflops(torch.bfloat16):.0f} GFLOP/s (512^3, torch)")]
+    bw = memory_bandwidth()
+    out.append(Check("memory bandwidth", f"copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s (128 MiB float32 "
+                     "arrays, torch, best of 5)"))
     try:
         import llama_cpp
 

@@ -12,7 +12,10 @@ FinishReason = Literal["stop", "length", "interrupted"]
 @dataclass(frozen=True)
 class SamplingParams:
     """How the engine turns logits into a token. The returned log-prob is log softmax of the transformed
-    logits (logits / temperature, then top-k, then top-p renormalised over the kept set).
+    logits (logits / temperature, then top-k, then top-p renormalised over the kept set). `ignore_eos`: an
+    end-of-generation token does not end the response; it is sampled and kept like any other token, so every response
+    runs to its token limit (finish "length") while the distribution, and so every log-prob, stays the same (equal
+    work per response for benchmarks: bench/run_all.py's equal-length arm; vLLM's own ignore_eos means the same).
 
     Raises ValueError for temperature <= 0 (greedy has no sampling distribution; use `greedy=True` on an
     engine's `evaluate` instead), top_p outside (0, 1], top_k < 0 or max_new_tokens < 1."""
@@ -21,6 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k
     max_new_tokens: int = 64  # the default of config sampling.max_new_tokens
+    ignore_eos: bool = False  # the default of config sampling.ignore_eos
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):

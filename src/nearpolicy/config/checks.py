@@ -98,10 +98,46 @@ def check_turn_credit(a) -> None:
                          f"algorithm.advantage = 'grpo' (it is {a.advantage!r})")
 
 
+def check_distill(d):
+    """[distill]: the forward-KL and R-OPD keys need a teacher and each other (a key that would do nothing is refused)."""
+    if d.teacher is None and (d.divergence != "reverse" or d.ropd):
+        raise ValueError("distill.divergence = 'forward' and distill.ropd need a teacher: set distill.teacher")
+    if d.forward_top_k and d.divergence != "forward":
+        raise ValueError(f"distill.forward_top_k = {d.forward_top_k} sets the forward KL's top-k: it needs "
+                         "distill.divergence = 'forward'")
+    if d.ropd and d.divergence != "forward":
+        raise ValueError("distill.ropd = true trains on the initial policy's samples after its switch, where the reverse "
+                         "KL's advantage (the sampler's log-prob minus the teacher's) no longer measures the student: "
+                         "set distill.divergence = 'forward'")
+
+
+def check_distill_fits(cfg) -> None:
+    """Rules across sections for [distill]: the forward KL needs the student's full sampling distribution (no
+    sampling.top_k / top_p) and is not combined with ECHO yet; R-OPD's switch runs on the synchronous single-turn
+    source and estimates the gradient noise from >= 2 micro-batches of a mini-batch."""
+    d, a, s = cfg.distill, cfg.algorithm, cfg.sampling
+    if d.divergence == "forward" and (s.top_k > 0 or s.top_p < 1):
+        raise ValueError(f"distill.divergence = 'forward' needs the student's whole next-token distribution, but "
+                         f"sampling.top_k = {s.top_k} / sampling.top_p = {s.top_p} give 0 outside a kept set (KL(teacher "
+                         "|| student) would be infinite): set sampling.top_k = 0 and sampling.top_p = 1, or "
+                         "divergence = 'reverse'")
+    if d.divergence == "forward" and a.observation_loss_coef > 0:
+        raise ValueError("distill.divergence = 'forward' is not combined with algorithm.observation_loss_coef > 0 yet")
+    if d.ropd and (cfg.rollout.engines or cfg.episode.enabled):
+        raise ValueError("distill.ropd = true switches the synchronous single-turn source only: set rollout.engines = 0 "
+                         "and episode.enabled = false")
+    micro_batches = -(-(a.group_size * a.prompts_per_step // a.minibatches) // a.micro_batch_size)
+    if d.ropd and micro_batches < 2:
+        raise ValueError(f"distill.ropd = true estimates the gradient noise from the micro-batches of a mini-batch, "
+                         f"which has {micro_batches}: set algorithm.micro_batch_size below the mini-batch's "
+                         f"{a.group_size * a.prompts_per_step // a.minibatches} samples")
+
+
 def check_sections_agree(cfg) -> None:
     """Rules across sections: replicas run llama.cpp; llama.cpp's sequence limit; a group fits one batch; episodes
     run on llamacpp (the synchronous engine or the replicas) or hf; a group-relative estimator needs groups of two or
-    more unless a teacher alone gives the signal (distill.reward_weight = 0)."""
+    more unless a teacher alone gives the signal (distill.reward_weight = 0); MIPU needs synchronous single-turn
+    rollouts, and backtracking no PPO-EWMA."""
     e, a = cfg.engine, cfg.algorithm
     kind = kind_of(e.kind)
     if cfg.episode.enabled and not kind.episodes:
@@ -134,6 +170,13 @@ def check_sections_agree(cfg) -> None:
     if a.turn_credit != "outcome" and cfg.distill.teacher is not None:
         raise ValueError(f"algorithm.turn_credit = {a.turn_credit!r} gives token advantages, which distillation "
                          "(distill.teacher) does not combine yet: use turn_credit = 'outcome' with a teacher")
+    if cfg.mipu.enabled and (cfg.rollout.engines or cfg.episode.enabled):
+        raise ValueError("mipu.enabled re-scores each step's samples with the in-process engine right after the weight "
+                         "sync: it needs synchronous single-turn rollouts (rollout.engines = 0, episode.enabled = false)")
+    if cfg.mipu.enabled and cfg.mipu.max_tries > 1 and cfg.correction.proximal == "ewma":
+        raise ValueError("mipu.max_tries > 1 shrinks an update after its optimizer steps, which the PPO-EWMA average "
+                         "has already taken in: use mipu.max_tries = 1 with correction.proximal = 'ewma'")
+    check_distill_fits(cfg)
 
 
 def check_task(t):

@@ -15,9 +15,12 @@ from nearpolicy.config.checks import (ConfigError, aggregation_fits_loss, apply_
                                       check_batch_divides, check_correction, check_sections_agree, check_task,
                                       describe_errors, parse_override, read_toml, registered)
 from nearpolicy.config.engine import EngineConfig
-from nearpolicy.config.sections import DistillConfig, EpisodeConfig, RolloutConfig, Section, TurnCreditFields
+from nearpolicy.config.lora import LoraConfig, check_lora
+from nearpolicy.config.sections import (DistillConfig, EpisodeConfig, MipuConfig, RolloutConfig, Section,
+                                        TurnCreditFields)
 from nearpolicy.ops.advantages import ADVANTAGES
 from nearpolicy.ops.correction_presets import CORRECTIONS, PRESET_FIELDS, correction_spec
+from nearpolicy.ops.data_policies import DATA_POLICIES, DataPolicyParams
 from nearpolicy.ops.corrections import ACTIONS, LEVELS, MODES
 from nearpolicy.ops.kl import KL_ESTIMATORS
 from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
@@ -31,7 +34,7 @@ from nearpolicy.types import SamplingParams
 __all__ = ["Config", "ConfigError", "config_from_data", "load_config", "parse_override"]
 
 WANDB_MODES = ("offline", "online")  # logging.wandb_mode (runs/trackers.py)
-LOSS, SAMPLING = PolicyLossParams, SamplingParams  # the dataclasses whose defaults the config shares
+LOSS, SAMPLING, DATA = PolicyLossParams, SamplingParams, DataPolicyParams  # whose defaults the config shares
 
 
 class RunConfig(Section):
@@ -82,6 +85,10 @@ class SamplingConfig(Section):
     """Keep only the k most likely tokens, renormalised (0 = off)."""
     max_new_tokens: int = Field(SAMPLING.max_new_tokens, ge=1)
     """Most tokens a response may have (training and eval); a response cut here finishes with "length"."""
+    ignore_eos: StrictBool = SAMPLING.ignore_eos
+    """Training samples run to max_new_tokens: an end-of-generation token is sampled and kept like any other and does
+    not end the response (the distribution and its log-probs are unchanged; eval still stops). For equal-work
+    benchmarks (bench/run_all.py --equal-length), not for training."""
 
     @field_validator("temperature", mode="before")
     @classmethod
@@ -101,7 +108,8 @@ class TaskConfig(Section):
     """reasoning_gym: a generated reasoning-gym dataset (`name`, `options`); jsonl: {"prompt", "answer"} lines from
     `path`."""
     name: str = "chain_sum"
-    """reasoning-gym dataset name (kind = reasoning_gym)."""
+    """reasoning-gym dataset name (kind = reasoning_gym). "composite": a fixed mixture of datasets, options =
+    {datasets = [{name, weight, config}, ...]} (each problem drawn from dataset k with probability weight_k / sum)."""
     options: dict[str, Any] | None = None
     """Keyword options of the reasoning-gym dataset config; None = the dataset's defaults (for chain_sum: 2 terms
     of 1 digit, see `resolved_options`). A --set of task.kind or task.name drops the config file's options."""
@@ -150,6 +158,15 @@ class AlgorithmConfig(TurnCreditFields):
     one), so its reward cannot move its siblings' advantages; all = every scorable sample, as decided before the
     correction. With a correction that can reject, accepted computes old_logprobs before the advantages (never fused
     into the update: one more forward pass). docs/math.md sec. 2."""
+    data_policy: registered(DATA_POLICIES) = "uniform"
+    """Which rollout groups of a step train, with what weight, after scoring (`nearpolicy list`; docs/math.md sec.
+    23): uniform = all, weight 1; drop_zero_variance = groups whose rewards are all equal leave the batch (they have
+    advantage 0 but count in the loss denominators under uniform); reward_variance = those dropped, each other group
+    weighted by its reward variance, normalised to mean 1 over the kept groups; top_variance_k = the data_policy_top_k
+    non-constant groups of largest variance. The weight multiplies the sample's policy-gradient term (not KL /
+    entropy). Logged: data/kept_groups, data/weight_mean, data/weight_max."""
+    data_policy_top_k: int = Field(DATA.top_k, ge=1)
+    """k of data_policy = top_variance_k: the most groups a step trains on (ties go to the lower group id)."""
     loss: registered(POLICY_LOSSES) = "ppo_clip"
     """Policy loss (`nearpolicy list`): ppo_clip, gspo, cispo, reinforce, importance_sampling, pnpo, ..."""
     aggregation: Literal[AGGREGATIONS] = "token-mean"
@@ -315,6 +332,10 @@ class Config(Section):
     """[rollout] inline or replica rollouts."""
     episode: EpisodeConfig = EpisodeConfig()
     """[episode] multi-turn tool-use episodes."""
+    mipu: MipuConfig = MipuConfig()
+    """[mipu] keep an update only when the engine's policy improves (MIPU)."""
+    lora: LoraConfig = LoraConfig(enabled=False)
+    """[lora] train a LoRA adapter on the engine's frozen base (docs/lora.md); no [lora] section: full fine-tuning."""
     logging: LoggingConfig = LoggingConfig()
     """[logging] metrics, evals, checkpoints."""
 
@@ -329,6 +350,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _sections_agree(self) -> "Config":
         check_sections_agree(self)
+        check_lora(self)
         return self
 
 

@@ -1,6 +1,6 @@
 """The config sections that need no registry: the base Section (frozen, unknown keys rejected, field docs from the
-string under each field), [rollout], [distill], [episode] and the multi-turn keys of [algorithm] (TurnCreditFields,
-the base of config.AlgorithmConfig). config/schema.py assembles the whole schema."""
+string under each field), [rollout], [distill], [episode], [mipu] and the multi-turn keys of [algorithm]
+(TurnCreditFields, the base of config.AlgorithmConfig). config/schema.py assembles the whole schema."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from nearpolicy.config.checks import check_rollout, check_turn_credit, registered
+from nearpolicy.config.checks import check_distill, check_rollout, check_turn_credit, registered
+from nearpolicy.ops.mipu import MIPU_LEVELS
 from nearpolicy.ops.turn_credit import DEFAULT_ANSWER_FORMAT, TURN_CREDIT, TurnCreditParams
 
 
@@ -49,17 +50,80 @@ class RolloutConfig(Section):
 
 
 class DistillConfig(Section):
-    """On-policy distillation: per-token reverse KL to a teacher on the student's samples (docs/math.md sec. 15)."""
+    """On-policy distillation: per-token reverse KL (or forward KL) to a teacher on the student's samples, and
+    R-OPD's switch to the initial policy's samples (docs/math.md sec. 15)."""
 
     teacher: str | None = None
     """Teacher model ("smollm2", a GGUF or an HF folder with the same tokenizer); None = no distillation."""
+    divergence: Literal["reverse", "forward"] = "reverse"
+    """reverse: KL(student || teacher) as token advantages on the sampled tokens (Tinker's OPD); forward:
+    KL(teacher || student) over the teacher's whole next-token distribution at each response position, a loss term
+    with its gradient through the student's log-probs only (logged as distill/forward_kl; no advantage from the
+    teacher, distill.discount unused). Forward needs the teacher's distribution: exact from its logits (the teacher
+    runs in process), or its top-k (forward_top_k); it refuses sampling.top_k / top_p (the student's sampling
+    distribution is 0 outside its kept set: the divergence would be infinite)."""
     coef: float = Field(1.0, gt=0)
-    """Token advantage A_t = -coef (log mu(y_t) - log pi_teacher(y_t)) (+ discounted future terms)."""
+    """reverse: token advantage A_t = -coef (log mu(y_t) - log pi_teacher(y_t)) (+ discounted future terms);
+    forward: the loss adds coef x the forward KL, aggregated as the policy loss (algorithm.aggregation)."""
     discount: float = Field(0.0, ge=0, le=1)
     """gamma in [0, 1]: A_t also sums the later model tokens' terms, discounted by gamma per model token between
     (tool observations take no step; 0 = per token only; docs/math.md sec. 15)."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task's GRPO-family advantage added to the distillation advantage (0 = pure distillation)."""
+    forward_top_k: int = Field(0, ge=0)
+    """divergence = forward: 0 = the exact forward KL over the whole vocabulary; k >= 1 = over the teacher's k most
+    likely tokens, renormalised (an approximation: the teacher's mass outside them is dropped; what an engine teacher
+    returning top-k log-probs allows; k >= the vocabulary is exact)."""
+    ropd: StrictBool = False
+    """R-OPD's curriculum (reconstructed from the abstract of the R-OPD paper): once the mean gradient's change between
+    consecutive steps is within ropd_z standard errors of the micro-batch noise ropd_patience steps in a row, the
+    samples come from the initial policy (a second engine on the model.path weights, never synced) for the rest of
+    the run. Needs divergence = forward, inline single-turn rollouts and >= 2 micro-batches per mini-batch. Logged:
+    distill/ropd_grad_change, ropd_grad_noise, ropd_streak, ropd_switched (kept in checkpoints)."""
+    ropd_z: float = Field(1.0, gt=0)
+    """R-OPD: quiet when ||gbar_t - gbar_{t-1}|| <= z sqrt(SE_t^2 + SE_{t-1}^2), SE the standard error of a step's mean
+    gradient over its first mini-batch's micro-batches (ops/ropd.py)."""
+    ropd_patience: int = Field(2, ge=1)
+    """R-OPD: consecutive quiet steps that trigger the switch."""
+    ropd_sketch: int = Field(4096, ge=16, le=65536)
+    """R-OPD: gradient coordinates the trigger reads (a fixed, seeded random subset; all of them when the model has
+    fewer); the previous step's mean over them is kept in the checkpoint."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DistillConfig":
+        check_distill(self)
+        return self
+
+
+MIPU_REFERENCES = ("rescored", "rollout")  # mipu.reference: the engine's log-probs before the update
+
+
+class MipuConfig(Section):
+    """MIPU, Monotonic Inference Policy Update (reconstructed from the abstract of arXiv:2606.29526; docs/math.md sec.
+    24): after each update the candidate weights are synchronised to the engine, which re-scores the step's sampled
+    tokens; the candidate is kept only when the engine's improvement proxy on the batch is at least `margin`, else
+    the trainer's weights, AdamW state (and PPO-EWMA average) return to their values before the update and the
+    engine is synchronised back. Synchronous single-turn rollouts only (rollout.engines = 0, no episodes). The
+    paper's candidates are sampler-referenced: pair with correction.mode = "bypass" (e.g. preset bypass_ppo_clip)."""
+
+    enabled: StrictBool = False
+    """Gate every step's update on the engine's improvement proxy (off: every update is kept, nothing is re-scored).
+    Costs per step: one engine scoring pass of the batch before the sync and one per try after it, one trainer
+    forward per try (mipu/proxy_trainer), a copy of the weights and AdamW state, one more sync on a rejection."""
+    level: Literal[MIPU_LEVELS] = "token"
+    """The proxy (ops/mipu.py): token = token mean of (r_t - 1) A_t, r_t = mu_new / mu_old of each sampled token (the
+    first-order surrogate); sequence = mean over responses of (prod_t r_t - 1) x the response's mean advantage."""
+    reference: Literal[MIPU_REFERENCES] = "rescored"
+    """mu_old, the engine's log-probs before the update: rescored = the engine re-scores the batch (teacher forcing)
+    before the candidate is synchronised, so an update the engine's rounding erases gives a proxy of exactly 0;
+    rollout = the log-probs the engine reported while sampling (no extra pass; their difference from teacher-forced
+    scoring, and any logit noise, enters the proxy)."""
+    margin: float = 0.0
+    """Accept a candidate when its proxy is >= this (advantage units); 0 keeps a candidate that leaves the engine's
+    policy unchanged on the batch, > 0 asks for a measured gain, < 0 tolerates a small loss."""
+    max_tries: int = Field(1, ge=1, le=8)
+    """Candidates per step: 1 = accept or reject the update; k > 1 backtracks, try j + 1 synchronising the step
+    halved j times (theta_old + 2^-j (theta_new - theta_old), keeping the update's AdamW state), before a rejection."""
 
 
 TOOL_SYSTEM_PROMPT = ('Use the calculator tool for arithmetic: write <tool_call>{"name": "calculator", "arguments": '

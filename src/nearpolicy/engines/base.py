@@ -40,9 +40,9 @@ class RolloutEngine(Protocol):
         """True for every id that ends a response (the engine's end-of-generation set)."""
         ...
 
-    def update_weights(self, source: "Path | RewrittenGGUF | dict", version: int) -> None:
-        """Load new policy weights (a GGUF path or RewrittenGGUF, or a state dict, by engine) and set the policy
-        version."""
+    def update_weights(self, source: "Path | RewrittenGGUF | dict | LoraAdapter", version: int) -> None:
+        """Load new policy weights (a GGUF path or RewrittenGGUF, or a state dict, by engine; or, under [lora], a
+        LoraAdapter that replaces the adapter on the engine's unchanged base) and set the policy version."""
         ...
 
     def close(self) -> None: ...
@@ -56,6 +56,19 @@ class RewrittenGGUF:
 
     path: str
     file_id: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An update_weights source under [lora] (docs/lora.md): the engine keeps its base weights and takes this adapter
+    in place of the one it holds (every KV cache dropped). `gguf`: a GGUF LoRA adapter file (llama.cpp;
+    engines/gguf/lora_adapter.py); `tensors`: HF base weight name -> (lora_A [r, in], lora_B [out, r]) float32 (an
+    engine in this process, e.g. hf); `scale`: alpha / r, the factor of B A. An engine refuses a LoraAdapter without
+    the field it reads with TypeError."""
+
+    gguf: str | None = None
+    tensors: dict | None = None
+    scale: float = 1.0
 
 
 def file_id(path: Path | str) -> tuple[int, int]:

@@ -89,11 +89,12 @@ class EngineInputs:
 @dataclass(frozen=True)
 class EngineKind:
     """One engine kind's facts. `loads`: what a weight sync hands its `update_weights` ("gguf": a GGUF path, the
-    trainer's weights exported at `precision`; "state_dict": the trainer's state dict). `options`: the config
+    trainer's weights exported at `precision`; "state_dict": the trainer's state dict; under [lora] the same
+    split: a GGUF LoRA adapter file or the adapter's tensors, engines/base.LoraAdapter). `options`: the config
     options it honours (kv_cache, flash_attention, extra_buffers, tensor_precision, export_rounding,
-    weights_only). `replicas`: can run as rollout.engines replicas; `episodes`: runs tool-use episodes;
-    `alignable`: algorithm.precision_alignment = "engine" can emulate it (model/aligned.py); `max_parallel`: its
-    hard limit on sequences per batch (None: none) and `max_parallel_why` its reason; `config_precision`: the [engine] key that holds its
+    weights_only, lora: takes a LoraAdapter in update_weights). `replicas`: can run as rollout.engines replicas;
+    `episodes`: runs tool-use episodes; `alignable`: algorithm.precision_alignment = "engine" can emulate it
+    (model/aligned.py); `max_parallel`: its hard limit on sequences per batch (None: none) and `max_parallel_why` its reason; `config_precision`: the [engine] key that holds its
     precision."""
 
     name: str
@@ -154,7 +155,7 @@ def llamacpp_spec(request: EngineRequest, gguf: Path, version: int | None = None
 
 
 _LLAMACPP_OPTIONS = frozenset({"kv_cache", "flash_attention", "extra_buffers", "tensor_precision", "export_rounding",
-                               "weights_only"})
+                               "weights_only", "lora"})
 
 
 @engine_kind("llamacpp", GGUF_PRECISIONS, "gguf", "precision", options=_LLAMACPP_OPTIONS, replicas=True,
@@ -170,7 +171,7 @@ def _llamacpp(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
     return llamacpp_spec(request, gguf).open()
 
 
-@engine_kind("hf", tuple(HF_DTYPES), "state_dict", "hf_dtype", episodes=True)
+@engine_kind("hf", tuple(HF_DTYPES), "state_dict", "hf_dtype", options=frozenset({"lora"}), episodes=True)
 def _hf(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
     from nearpolicy.engines.hf import HFEngine
 

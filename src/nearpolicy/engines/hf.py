@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nearpolicy.engines.base import DecodeCounts
+from nearpolicy.engines.base import DecodeCounts, LoraAdapter
 from nearpolicy.engines.hf_decode import COMPACT_BELOW, make_stepper, sample_rows_of
 from nearpolicy.engines.sampling import sample_rows
 from nearpolicy.ops.logprobs import transformed_log_softmax
@@ -42,8 +42,15 @@ class HFEngine:
         self.pad_id = next(iter(sorted(self.stop_ids)))
         self._stepper = make_stepper(self.model)
         self._decode_counts = DecodeCounts()
+        self._base: dict[str, torch.Tensor] = {}  # an adapted weight's base values, kept at its first adapter sync
 
-    def update_weights(self, source: Path | dict, version: int) -> None:
+    def update_weights(self, source: Path | dict | LoraAdapter, version: int) -> None:
+        """A state dict (loaded by name, non-strict), or a LoraAdapter (source.tensors: the adapter replaces the
+        previous one on the engine's base weights, `_apply_adapter`). Raises TypeError for another source."""
+        if isinstance(source, LoraAdapter):
+            self._apply_adapter(source)
+            self.version = version
+            return
         if not isinstance(source, dict):
             raise TypeError("the hf engine syncs from a state dict")
         dtype = next(self.model.parameters()).dtype
@@ -51,7 +58,24 @@ class HFEngine:
             self.model.load_state_dict({k: v.to(dtype) for k, v in source.items()}, strict=False)
         finally:  # a refused dict may have copied some tensors already: the packed copies follow the model anyway
             self._stepper.repack()
+        self._base = {}  # new base weights: an adapter sync after this one adds to them
         self.version = version
+
+    @torch.no_grad()
+    def _apply_adapter(self, source: LoraAdapter) -> None:
+        """W = W_base + scale * B A for each adapted weight (float32 sum, stored in the engine dtype; W_base: the
+        weight as it was at its first adapter sync, the engine's copy of the frozen base), then the packed copies
+        are rebuilt. Raises TypeError without source.tensors, KeyError naming an unknown weight."""
+        if source.tensors is None:
+            raise TypeError("the hf engine takes a LoRA adapter as tensors (LoraAdapter.tensors)")
+        params = dict(self.model.named_parameters())
+        for name in source.tensors:
+            if name not in params:
+                raise KeyError(f"LoRA adapter weight {name!r} is not a weight of the hf engine's model")
+        for name, (a, b) in source.tensors.items():
+            base = self._base.setdefault(name, params[name].detach().float().clone())
+            params[name].copy_(base + source.scale * (b.float() @ a.float()))
+        self._stepper.repack()
 
     def close(self) -> None:
         self.model = self._stepper = None
@@ -63,8 +87,8 @@ class HFEngine:
 
     def _run(self, requests: list[GenerationRequest], sampling: SamplingParams | None, limits: list[int],
              rng: np.random.Generator | None) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        """Decode every sample of `requests` (request.n each) to a stop id or its own token limit (limits [n
-        samples]); sampling None is greedy. Returns (ids, log-probs, finish reason) per sample."""
+        """Decode every sample of `requests` (request.n each) to a stop id (none with sampling.ignore_eos) or its own
+        token limit (limits [n samples]); sampling None is greedy. Returns (ids, log-probs, finish reason) per sample."""
         prompts, rows = sample_rows_of(requests)
         n = len(rows)
         tokens, logps = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -85,7 +109,7 @@ class HFEngine:
                 i = live[j]
                 tokens[i].append(tok)
                 logps[i].append(lp)
-                if tok in self.stop_ids:
+                if tok in self.stop_ids and not (sampling is not None and sampling.ignore_eos):
                     finish[i] = "stop"
                 elif len(tokens[i]) >= limits[i]:
                     finish[i] = "length"

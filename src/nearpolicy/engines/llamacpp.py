@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nearpolicy.engines.base import LLAMA_MAX_SEQ, DecodeCounts, EngineError, RewrittenGGUF, file_id
+from nearpolicy.engines.base import LLAMA_MAX_SEQ, DecodeCounts, EngineError, LoraAdapter, RewrittenGGUF, file_id
 from nearpolicy.engines.cpu_load import fit_threads, free_cores
 from nearpolicy.engines.llama_lib import eog_ids, is_eog, load_lib, set_log_file
 from nearpolicy.engines.llama_context import KVContext, Seq, greedy_continuous
@@ -85,6 +85,7 @@ class LlamaCppEngine:
         self.flash_attention, self.extra_buffers, self.adaptive_threads = flash_attention, extra_buffers, adaptive_threads
         self.logit_noise, self.version, self.path = float(logit_noise), version, Path(gguf_path)
         self._model = self._sampler = self._greedy = None
+        self._adapter = None  # the LoRA adapter set on every context (engines/llama_adapter.py), or None
         self._decode_counts = DecodeCounts()
         self._sampling_cells = 0  # the most KV cells per sequence a sampling call has needed (_sampling_context)
         self._load(self.path)
@@ -117,14 +118,20 @@ class LlamaCppEngine:
         self._reads_the_file = not self.extra_buffers and not lib.llama_supports_gpu_offload()
 
     def _context(self, n_seq: int, cells_per_seq: int, unified: bool) -> KVContext:
-        return KVContext(load_lib(), self._model, self.n_vocab, n_seq=n_seq, cells_per_seq=cells_per_seq,
-                         unified=unified, threads=self.threads,
-                         kv_type=KV_CACHE_TYPES[self.kv_cache], flash_attention=self.flash_attention)
+        ctx = KVContext(load_lib(), self._model, self.n_vocab, n_seq=n_seq, cells_per_seq=cells_per_seq,
+                        unified=unified, threads=self.threads,
+                        kv_type=KV_CACHE_TYPES[self.kv_cache], flash_attention=self.flash_attention)
+        if self._adapter is not None:  # a context made after an adapter sync runs with that adapter too
+            self._adapter.set_on(ctx.ctx)
+        return ctx
 
     def close(self) -> None:
         for ctx in (self._sampler, self._greedy):
             if ctx is not None:
                 ctx.close()
+        if self._adapter is not None:
+            self._adapter.free()
+            self._adapter = None
         if self._model:
             load_lib().llama_model_free(self._model)
         self._model = self._sampler = self._greedy = None
@@ -133,7 +140,13 @@ class LlamaCppEngine:
         """New weights, every cache of the previous ones dropped. `source`: a GGUF path (engines/gguf/export.py), loaded into
         a fresh model; or a RewrittenGGUF (engines/gguf/inplace.py): when it names the file this engine maps (and no extra
         buffer holds a copy of its weights), the model stays and its next decode reads the new bytes, else the
-        engine loads source.path. Raises TypeError for another source, EngineError when the file cannot load."""
+        engine loads source.path. A LoraAdapter (source.gguf) replaces the adapter on the unchanged base
+        (`_swap_adapter`); a model reload drops it. Raises TypeError for another source, EngineError when the file
+        cannot load."""
+        if isinstance(source, LoraAdapter):
+            self._swap_adapter(source)
+            self.version = version
+            return
         if isinstance(source, RewrittenGGUF):
             if self._model is not None and self._reads_the_file and source.file_id == self._file_id:
                 for ctx in (self._sampler, self._greedy):
@@ -147,6 +160,24 @@ class LlamaCppEngine:
         self.close()
         self._load(Path(source))
         self.version = version
+
+    def _swap_adapter(self, source: LoraAdapter) -> None:
+        """Load the adapter file source.gguf, set it on every context, clear every KV cache (keys and values of the
+        old adapter must not survive), then free the previous adapter; `adapter_load_s` is the load's seconds. Raises
+        TypeError without source.gguf, EngineError when llama.cpp refuses the file (the previous adapter stays)."""
+        from nearpolicy.engines.llama_adapter import LlamaAdapter
+
+        if source.gguf is None:
+            raise TypeError("the llama.cpp engine loads a LoRA adapter from a GGUF file (LoraAdapter.gguf)")
+        self._require_open()
+        new = LlamaAdapter(load_lib(), self._model, source.gguf)
+        for ctx in (self._sampler, self._greedy):
+            if ctx is not None:
+                new.set_on(ctx.ctx)
+                ctx.reset()
+        old, self._adapter, self.adapter_load_s = self._adapter, new, new.seconds
+        if old is not None:
+            old.free()
 
     # -- low-level decode ------------------------------------------------------------------------
     def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> np.ndarray:
@@ -258,7 +289,7 @@ class LlamaCppEngine:
             for s, tok, lp in zip(live, ids.tolist(), lps.tolist()):
                 s.ids.append(tok)
                 s.logprobs.append(lp)
-                if is_eog(self._vocab, tok):
+                if is_eog(self._vocab, tok) and not sampling.ignore_eos:
                     s.finish = "stop"
                 elif len(s.ids) >= limit(s):
                     s.finish = "length"

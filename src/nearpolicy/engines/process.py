@@ -27,7 +27,8 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from nearpolicy.engines.base import DecodeCounts, EngineDied, EngineError, RewrittenGGUF, take_decode_counts
+from nearpolicy.engines.base import (DecodeCounts, EngineDied, EngineError, LoraAdapter, RewrittenGGUF,
+                                     take_decode_counts)
 from nearpolicy.engines.llamacpp import EngineSpec
 from nearpolicy.signals import exit_description
 
@@ -128,9 +129,12 @@ class ProcessEngine:
         return self._stop_ids
 
     def update_weights(self, source, version: int) -> None:
-        if not isinstance(source, (str, Path, RewrittenGGUF)):
+        """The child engine's update_weights: a GGUF path, a RewrittenGGUF, or a LoraAdapter (the adapter sync: the
+        child loads the adapter file into the model it holds, engines/llama_adapter.py)."""
+        if not isinstance(source, (str, Path, RewrittenGGUF, LoraAdapter)):
             raise TypeError("the llama.cpp engine syncs from a GGUF path (see engines/gguf/export.py)")
-        self._call("update_weights", source if isinstance(source, RewrittenGGUF) else str(source), version)
+        self._call("update_weights", source if isinstance(source, (RewrittenGGUF, LoraAdapter)) else str(source),
+                   version)
         self.version = version
 
     def close(self) -> None:

@@ -107,6 +107,8 @@ class VLLMEngine:
                       skip_special_tokens=False, **extra)
         if sampling is None:
             return VllmSampling(temperature=0.0, **common)
+        if sampling.ignore_eos:  # no stop id ends a response (types.SamplingParams)
+            common |= dict(stop_token_ids=[], ignore_eos=True)
         return VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
                             logprobs=0, **common)
 
@@ -135,7 +137,7 @@ class VLLMEngine:
             sample = out.outputs[0]
             ids = list(sample.token_ids)
             logprobs = [float(step[tok].logprob) for step, tok in zip(sample.logprobs, ids)]
-            finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
+            finish = "stop" if ids and ids[-1] in self.stop_ids and not sampling.ignore_eos else "length"
             rollouts.append(Rollout(r.group_id, k, list(r.prompt_ids), ids, logprobs, [self.version] * len(ids),
                                     finish))
         return rollouts

@@ -9,7 +9,8 @@ by engines/gguf/export.export_model_gguf with the run's GGUF (when model.path is
 the tokenizer and chat template are the model's own; at the run's engine.precision the run's engine.tensor_precision
 overrides and engine.export_rounding (seeded by run.seed) apply too (the file the run's engine would load).
 Everything is written to a temporary folder beside the output and renamed into place, so an output folder is either
-complete or absent."""
+complete or absent. A [lora] run's checkpoint holds the adapter alone: runs/lora_export.py rebuilds its frozen base and
+writes the adapter (PEFT folder, GGUF adapter) beside the merged model."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from nearpolicy.config.schema import EngineConfig
 from nearpolicy.engines.gguf.export import PRECISIONS, export_model_gguf
 from nearpolicy.model.load import ResolvedModel, load_model_weights, load_policy, read_model_weights, resolve_model
 from nearpolicy.runs.folder import CHECKPOINT_PREFIX, list_checkpoints, read_json_object
+from nearpolicy.runs.lora_export import export_adapter, is_lora_run
 
 
 class ExportError(ValueError):
@@ -119,10 +121,13 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
     if unknown:
         raise ExportError(f"unknown GGUF precision {unknown[0]!r}; valid: {', '.join(PRECISIONS)}")
     log(f"loading {spec} (model.path of {run_dir}) with the weights of {checkpoint}")
-    model, tokenizer = trained_policy(spec, weights)
+    config = read_json_object(run_dir / "config.json")
+    model, tokenizer = (None, None) if is_lora_run(config) else trained_policy(spec, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
+        if model is None:  # [lora]: an adapter-only checkpoint; the HF folder and GGUFs get the merged policy
+            model, tokenizer = export_adapter(config, spec, resolved, weights, tmp, log)
         save_hf_folder(model, tokenizer, tmp, read_json_object(run_dir / "plan.json").get("stop_token_ids"))
         names, template = [], resolved.path if resolved.kind == "gguf" else None
         seed = int(_config_section(run_dir, "run").get("seed", 0))  # of the run's engine.export_rounding draws

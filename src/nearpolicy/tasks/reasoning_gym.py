@@ -27,10 +27,33 @@ def _create(name: str, options: dict, seed: int, size: int) -> Any:
             f"task.options may not set {reserved}; use task.seed / task.eval_seed and "
             "task.train_size / task.eval_size"
         )
+    if name == "composite":
+        options = {**options, "datasets": _composite_specs(options.get("datasets"))}
     try:
         return reasoning_gym.create_dataset(name, seed=seed, size=size, **options)
     except (TypeError, AssertionError, ValueError) as exc:
         raise ValueError(f"task.options {options!r} rejected by dataset {name!r}: {exc}") from exc
+
+
+def _composite_specs(datasets: Any) -> list:
+    """A fixed task mixture: task.name = "composite" with task.options.datasets = [{name, weight, config}, ...] (plain
+    TOML tables; config optional, the sub-dataset's keyword options) as reasoning-gym's DatasetSpec list. Each problem
+    i is drawn from sub-dataset k with probability weight_k / sum(weight) by reasoning-gym's CompositeDataset (seeded
+    per index); its entry's metadata.source_dataset names k, and the composite scores it with k's checker. Raises
+    ValueError naming task.options for anything else."""
+    from reasoning_gym.composite import DatasetSpec
+
+    if not isinstance(datasets, list) or not datasets:
+        raise ValueError("task.options.datasets of the composite dataset must be a non-empty list of "
+                         "{name, weight, config} tables")
+    specs = []
+    for spec in datasets:
+        if not (isinstance(spec, dict) and set(spec) <= {"name", "weight", "config"}
+                and isinstance(spec.get("name"), str) and isinstance(spec.get("weight"), (int, float))
+                and spec["weight"] > 0 and isinstance(spec.get("config", {}), dict)):
+            raise ValueError(f"task.options.datasets: {spec!r} is not a {{name, weight > 0, config}} table")
+        specs.append(DatasetSpec(spec["name"], float(spec["weight"]), dict(spec.get("config", {}))))
+    return specs
 
 
 def _problem(entry: dict) -> Problem:

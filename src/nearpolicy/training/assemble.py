@@ -16,10 +16,13 @@ from nearpolicy.engines.factory import EngineInputs, EngineRequest, kind_of, lla
 from nearpolicy.engines.factory import build_engine as build_engine_of
 from nearpolicy.training.guards import check_task_prompts
 from nearpolicy.model.load import chat_prompt_ids, pad_token_id, stop_token_ids
+from nearpolicy.model.lora import LoraPolicy
 from nearpolicy.ops.correction_presets import describe_correction
 from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.tasks import Problem, Task, make_task
 from nearpolicy.tasks.factory import describe_task
+from nearpolicy.training.distillation import GradientProbe, UpdateDistill
+from nearpolicy.training.lora_sync import adapter_weights, lora_rollouts, open_lora
 from nearpolicy.types import SamplingParams
 
 
@@ -39,7 +42,14 @@ class Session:
     plan: dict = field(default_factory=dict)
     ref_model: torch.nn.Module | None = None
     teacher: torch.nn.Module | None = None
-    engine_gguf: Callable[[], object] | None = None  # the in-process llama.cpp engine's GGUF (engine_weights)
+    engine_gguf: Callable[[], object] | None = None  # the in-process engine's GGUF or [lora] adapter (engine_weights)
+    distill: UpdateDistill | None = None  # what the update adds for [distill] (update_distill)
+    lora: LoraPolicy | None = None  # [lora]: the adapter on the engine's frozen base (training/lora_sync.py)
+
+    @property
+    def checkpointed(self) -> torch.nn.Module:
+        """What a checkpoint saves and a resume restores: the policy, or under [lora] the adapter alone."""
+        return self.model if self.lora is None else self.lora.checkpoint_view()
 
     @property
     def pad_id(self) -> int:
@@ -70,7 +80,7 @@ def build_task(cfg: Config) -> Task:
 def sampling_params(cfg: Config) -> SamplingParams:
     """The sampling transform of cfg.sampling (engines sample with it; the trainer's log-probs use it)."""
     s = cfg.sampling
-    return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens)
+    return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.ignore_eos)
 
 
 def build_session(cfg: Config, run_dir: Path, log) -> Session:
@@ -100,12 +110,14 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
                               rounding=e.export_rounding, seed=cfg.run.seed)
         log(f"precision alignment: the trainer's forward emulates the {engine_request(cfg).label} engine "
             f"({sum(p != 'f32' for p in aligned.precisions.values())} quantized modules, {e.kv_cache} KV cache)")
-    # fused AdamW: one vectorized pass over the parameters (0.1 s vs 0.8 s per step for 135M on 2 cores). It leaves
-    # their version counters alone, which the aligned trainer's weight cache keys on: that one keeps torch's loop.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=a.adam_betas, weight_decay=a.weight_decay,
-                                  fused=a.precision_alignment != "engine")
     template = resolved.path if resolved.kind == "gguf" else None
     engine_dir = run_dir / "engine"
+    lora = None if not cfg.lora.enabled else open_lora(cfg, model, tokenizer, template, engine_dir, log)
+    # fused AdamW: one vectorized pass over the parameters (0.1 s vs 0.8 s per step for 135M on 2 cores). It leaves
+    # their version counters alone, which the aligned trainer's weight cache keys on: that one keeps torch's loop.
+    optimizer = torch.optim.AdamW(model.parameters() if lora is None else lora.parameters(),
+                                  lr=a.lr if lora is None else cfg.lora.lr, betas=a.adam_betas,
+                                  weight_decay=a.weight_decay, fused=a.precision_alignment != "engine")
     stop_ids = stop_token_ids(model, tokenizer, template, engine_dir)
     ref_model = None
     if a.kl_coef > 0 or a.turn_credit == "trace":  # the reference policy: the model.path weights, frozen
@@ -116,12 +128,25 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     log(f"correction: {plan['correction_effective']}")
     log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
         f"{plan['samples_per_step']} samples/step, run folder {run_dir}")
-    session = Session(cfg, model, tokenizer, task, optimizer, template, engine_dir, stop_ids, plan, ref_model, teacher)
+    session = Session(cfg, model, tokenizer, task, optimizer, template, engine_dir, stop_ids, plan, ref_model, teacher,
+                      distill=update_distill(cfg, optimizer, teacher), lora=lora)
     # every prompt must fit the context before any engine starts (its startup probe would fail less clearly)
     check_task_prompts(task, session.prompt_ids, cfg.model.max_context, cfg.sampling.max_new_tokens)
     if cfg.episode.enabled:  # an episode's prompt + its whole budget must fit too
         check_task_prompts(task, session.episode_prompt_ids, cfg.model.max_context, cfg.episode.max_tokens)
     return session
+
+
+def update_distill(cfg: Config, optimizer: torch.optim.Optimizer,
+                   teacher: torch.nn.Module | None) -> UpdateDistill | None:
+    """What the update adds for [distill] (training/distillation.py): the teacher for the forward KL (divergence =
+    "forward") and R-OPD's gradient probe on the parameters the optimizer trains (ropd; the adapter's under [lora]);
+    None when neither is on."""
+    d = cfg.distill
+    forward = teacher if d.divergence == "forward" else None
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    probe = GradientProbe(trained, d.ropd_sketch, cfg.run.seed) if d.ropd else None
+    return None if forward is None and probe is None else UpdateDistill(forward, d.coef, d.forward_top_k, probe)
 
 
 def _load_teacher(cfg: Config, tokenizer, log=print) -> torch.nn.Module | None:
@@ -202,6 +227,8 @@ def engine_weights(cfg: Config, session: Session, log=print) -> Callable[[], obj
     """What the in-process engine loads on a weight sync: its GGUF, written whole the first time and rewritten in
     place after that (llamacpp: one engines/gguf/inplace.EngineGGUF per session), or the state dict (hf; vllm, whose
     engine writes it as an HF folder and reloads it in place)."""
+    if session.lora is not None:  # only the adapter syncs
+        return adapter_weights(cfg, session)
     if kind_of(cfg.engine.kind).loads == "state_dict":
         return lambda: session.model.state_dict()
     if session.engine_gguf is None:
@@ -223,10 +250,12 @@ def build_engine(cfg: Config, session: Session, log=print):
     if kind_of(request.kind).loads == "gguf":
         log(f"exporting the policy to GGUF ({request.precision_label}) and starting the {request.kind} engine "
             "process...")
-        gguf = engine_weights(cfg, session, log)()  # the first call writes the whole file
+        # the first call writes the whole file; [lora]: the frozen base's file, written once (training/lora_sync.py)
+        gguf = engine_weights(cfg, session, log)() if session.lora is None else session.lora.base_gguf
     else:
         log(f"starting the {request.label} engine...")
-    inputs = EngineInputs(gguf, session.model, stop_ids=session.stop_ids, workdir=session.engine_dir,
+    model = session.model if session.lora is None else session.lora.plain_model(merged=False)  # [lora]: the base
+    inputs = EngineInputs(gguf, model, stop_ids=session.stop_ids, workdir=session.engine_dir,
                           probe_prompt=session.prompt_ids(session.task.train_problem(0)))
     return build_engine_of(request, inputs)
 
@@ -234,7 +263,8 @@ def build_engine(cfg: Config, session: Session, log=print):
 def policy_engine(session: Session):
     """An hf engine on a copy of the trainer's current fp32 policy (the eval of logging.eval_policy = "trainer")."""
     request = EngineRequest("hf", "fp32", max_parallel_sequences=session.cfg.engine.max_parallel_sequences)
-    return build_engine_of(request, EngineInputs(model=session.model, stop_ids=session.stop_ids))
+    model = session.model if session.lora is None else session.lora.plain_model(merged=True)  # [lora]: merged
+    return build_engine_of(request, EngineInputs(model=model, stop_ids=session.stop_ids))
 
 
 def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutSource:
@@ -247,12 +277,50 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
         from nearpolicy.rollouts.inline import InlineRollouts
 
         a = cfg.algorithm
-        return InlineRollouts(engine, engine_weights(cfg, session, log), session.task, session.prompt_ids, sampling,
-                              a.group_size, a.prompts_per_step, cfg.run.seed)
+        source = InlineRollouts(engine, engine_weights(cfg, session, log), session.task, session.prompt_ids, sampling,
+                                a.group_size, a.prompts_per_step, cfg.run.seed)
+        return ropd_switch(cfg, session, source, log) if cfg.distill.ropd else source
     from nearpolicy.rollouts.replicas import ReplicaRollouts
 
     return ReplicaRollouts(replica_settings(cfg), engine, gguf_writer(cfg, session), session.engine_dir / "published",
                            _replica_spec(cfg), session.task, session.prompt_ids, sampling, log)
+
+
+def ropd_switch(cfg: Config, session: Session, inner: RolloutSource, log=print) -> RolloutSource:
+    """R-OPD's curriculum over `inner` (rollouts/curriculum.InitialPolicySwitch): the trigger reads the update's
+    gradient probe (Session.distill.probe); once it fires, samples come from initial_policy_rollouts."""
+    from nearpolicy.rollouts.curriculum import InitialPolicySwitch
+
+    d = cfg.distill
+    return InitialPolicySwitch(inner, session.distill.probe.take, lambda: initial_policy_rollouts(cfg, session, log),
+                               d.ropd_z, d.ropd_patience, log)
+
+
+def initial_policy_rollouts(cfg: Config, session: Session, log=print) -> RolloutSource:
+    """R-OPD's initial-policy samples: synchronous rollouts from a second in-process engine on the initial policy
+    (model.path, loaded and exported at engine.precision as the step-0 engine was), never synced; the step's problems
+    and seeds as the inline source's (engine files under <run>/engine/initial)."""
+    from nearpolicy.model.load import load_policy
+    from nearpolicy.rollouts.inline import InlineRollouts
+
+    log("R-OPD: starting a second engine on the initial policy (model.path)...")
+    initial = load_policy(cfg.model.path)[0].float().eval().requires_grad_(False)
+    request, folder, e, a = engine_request(cfg), session.engine_dir / "initial", cfg.engine, cfg.algorithm
+    folder.mkdir(parents=True, exist_ok=True)
+    gguf = None
+    if kind_of(request.kind).loads == "gguf":
+        from nearpolicy.engines.gguf.export import export_model_gguf
+
+        gguf = export_model_gguf(initial, folder, e.precision, tuple(e.tensor_precision.items()), session.template_gguf,
+                                 session.tokenizer, e.export_rounding, cfg.run.seed)
+    engine = build_engine_of(request, EngineInputs(gguf, initial, stop_ids=session.stop_ids, workdir=folder,
+                                                   probe_prompt=session.prompt_ids(session.task.train_problem(0))))
+
+    def never_synced():
+        raise RuntimeError("R-OPD's initial-policy engine keeps the step-0 weights: it is never synced")
+
+    return InlineRollouts(engine, never_synced, session.task, session.prompt_ids, sampling_params(cfg), a.group_size,
+                          a.prompts_per_step, cfg.run.seed)
 
 
 def replica_settings(cfg: Config):
@@ -298,4 +366,5 @@ def build_episodes(cfg: Config, session: Session, engine, sampling: SamplingPara
 def assemble(cfg: Config, run_dir: Path, log=print) -> tuple[Session, RolloutSource]:
     """Everything a Trainer runs on: the session and its rollout source (with the in-process engine)."""
     session = build_session(cfg, run_dir, log)
-    return session, build_rollouts(cfg, session, build_engine(cfg, session, log), log)
+    rollouts = build_rollouts(cfg, session, build_engine(cfg, session, log), log)
+    return session, rollouts if session.lora is None else lora_rollouts(cfg, session, rollouts, log)  # syncs proven

@@ -30,8 +30,9 @@ def step_fault(metrics: dict[str, float]) -> str | None:
 def no_signal(metrics: dict[str, float]) -> str | None:
     """Why the step behind `metrics` trained on nothing (advantage/nonzero_frac = 0: every kept sample's advantage
     is 0), or None. Group-relative estimators give 0 to a constant group, a singleton and an unscorable sample
-    (ops/advantages.py): a run whose every step says so learns only from its KL or entropy term, if any."""
-    if metrics.get("advantage/nonzero_frac", 1.0) != 0:
+    (ops/advantages.py): a run whose every step says so learns only from its KL or entropy term, if any. A step with
+    a forward-KL distillation term (distill/forward_kl) trains every response token through it: never idle."""
+    if metrics.get("advantage/nonzero_frac", 1.0) != 0 or "distill/forward_kl" in metrics:
         return None
     return ("no sample has a nonzero advantage (every group constant, a singleton or unscorable): the policy-gradient "
             "term of this step trains on nothing")

@@ -1,13 +1,18 @@
 """The helpers of a training step that need no Trainer state: scoring response texts, distillation advantages,
-turn-credit advantages of multi-turn episodes, mismatch diagnostics, the metrics of a step and of an evaluation (floats for the sinks), and an eval's samples."""
+turn-credit advantages of multi-turn episodes, the data policy, mismatch diagnostics, the metrics of a step and of an
+evaluation (floats for the sinks), and an eval's samples."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from nearpolicy.batching import TokenBatch
 from nearpolicy.config.schema import Config
+from nearpolicy.ops.advantages import AdvantageResult
+from nearpolicy.ops.data_policies import DATA_POLICIES, DataPolicyParams, data_policy_metrics
 from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics, sequence_mismatch_metrics
 from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.turn_credit import TurnCreditParams, compute_turn_credit
@@ -56,11 +61,15 @@ def distill_advantages(cfg: Config, teacher: torch.nn.Module, batch: TokenBatch,
                        sampling: SamplingParams) -> tuple[torch.Tensor, dict[str, float]]:
     """Token advantages [B, T]: on-policy distillation from the engine's log-probs of its own samples and the
     teacher's, both under the same sampling transform (so the reverse KL compares like with like when T != 1
-    or top-k / top-p are on), plus distill.reward_weight x the task advantage [B]."""
+    or top-k / top-p are on), plus distill.reward_weight x the task advantage [B]. With distill.divergence =
+    "forward" the teacher acts through the update's forward-KL term instead (training/distillation.py): its
+    advantage part is 0, and distill/teacher_kl (the reverse KL's k1 on the sampled tokens; after an R-OPD switch,
+    the initial policy's, not the student's) stays as a diagnostic."""
     d = cfg.distill
     teacher_logprobs = recompute_logprobs(teacher, batch, sampling, cfg.algorithm.micro_batch_size)[0]
     defined = batch.mask & batch.has_rollout
     token_adv, metrics = opd_advantages(batch.rollout_logprobs, teacher_logprobs, defined, d.coef, d.discount)
+    token_adv = torch.zeros_like(token_adv) if d.divergence == "forward" else token_adv
     total = token_adv + d.reward_weight * task_advantages[:, None]
     return total.float(), {"distill/teacher_kl": float(metrics["teacher_kl"])}
 
@@ -96,6 +105,22 @@ def advantage_signal(advantages: torch.Tensor, keep: torch.Tensor, mask: torch.T
     return {"advantage/nonzero_frac": float(live.sum()) / max(int(keep.sum()), 1)}
 
 
+def apply_data_policy(cfg: Config, adv: AdvantageResult, advantages: torch.Tensor, rewards: torch.Tensor,
+                      group_ids: torch.Tensor) -> tuple[AdvantageResult, torch.Tensor, dict[str, float]]:
+    """algorithm.data_policy on a step's samples (ops/data_policies.py; docs/math.md sec. 23): (the advantage result
+    with the policy's keep ANDed into its keep-mask, so the loss denominators count the kept samples only; the
+    advantages [N] or [N, T] float32, each kept sample's times its weight (the multiplier of its policy-gradient term,
+    every registered loss being homogeneous of degree 1 in A), a dropped sample's 0; the data/* metrics as floats).
+    rewards [N]: those the estimator saw (NaN = unscorable or rejected); group_ids [N]. "uniform" changes nothing."""
+    a = cfg.algorithm
+    result = DATA_POLICIES.get(a.data_policy)(rewards, group_ids, DataPolicyParams(a.data_policy_top_k))
+    w, keep = result.weights.to(advantages.dtype), result.keep
+    w, keep = (w[:, None], keep[:, None]) if advantages.dim() == 2 else (w, keep)
+    scaled = torch.where(keep, advantages * w, torch.zeros_like(advantages))  # selection: a NaN never meets a 0 weight
+    metrics = {f"data/{key}": float(value) for key, value in data_policy_metrics(result, group_ids).items()}
+    return replace(adv, keep=adv.keep & result.keep), scaled, metrics
+
+
 def mismatch_diagnostics(update: UpdateResult, batch: TokenBatch, defined: torch.Tensor) -> dict[str, float]:
     """mismatch/*: trainer (old_logprobs) vs engine (rollout_logprobs) over the defined tokens [B, T], per token and
     per sequence (mismatch/seq_*: verl's rollout_corr perplexity family, docs/math.md sec. 22), and its
@@ -115,11 +140,13 @@ def reward_stats(rewards: torch.Tensor) -> dict[str, float]:
 
 def step_metrics(rewards: torch.Tensor, rollouts: list[Rollout], batch: TokenBatch, update: UpdateResult,
                  times: dict[str, float]) -> dict[str, float]:
-    """Rewards, response lengths, entropy, the update's metrics, phase times and throughputs of one step."""
+    """Rewards, response lengths (mean, max, p50 and p90 with linear interpolation), entropy, the update's metrics,
+    phase times and throughputs of one step."""
     lengths = batch.mask.sum(1).float()
     return {
         **reward_stats(rewards),
         "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+        "response/length_p50": float(lengths.quantile(0.5)), "response/length_p90": float(lengths.quantile(0.9)),
         "response/frac_truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])),
         "entropy": float(update.entropy[batch.mask].mean()),
         **update.metrics, **times,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from nearpolicy.batching import TokenBatch, collate
 from nearpolicy.config.schema import Config
@@ -21,9 +22,9 @@ from nearpolicy.training.guards import BadStepGuard, check_finite_weights
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
 from nearpolicy.ops.losses import PolicyLossParams
-from nearpolicy.training.phases import (accuracy_figure, advantage_signal, distill_advantages, eval_metrics, eval_samples,
-                                        mismatch_diagnostics, progress_postfix, score_texts, step_metrics,
-                                        turn_credit_advantages)
+from nearpolicy.training.phases import (accuracy_figure, advantage_signal, apply_data_policy, distill_advantages,
+                                        eval_metrics, eval_samples, mismatch_diagnostics, progress_postfix, score_texts,
+                                        step_metrics, turn_credit_advantages)
 from nearpolicy.model.ewma import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.runs.start_checks import check_run_folder, last_eval_accuracy, note_engine_precision, set_aside_restarted_metrics
@@ -37,6 +38,7 @@ from nearpolicy.tasks.scoring import BoundedScorer
 from nearpolicy.runs.trackers import check_trackers, open_trackers
 from nearpolicy.types import Rollout
 from nearpolicy.ops.schedule import learning_rate
+from nearpolicy.training.mipu import weight_sync
 from nearpolicy.training.update import Recomputed, UpdateResult, UpdateSettings, policy_update, recompute
 
 
@@ -61,9 +63,11 @@ def update_settings(cfg: Config) -> UpdateSettings:
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
-    """Set every parameter group to training step `step`'s learning rate (algorithm.lr_schedule) and return it."""
+    """Set every parameter group to training step `step`'s learning rate (algorithm.lr_schedule of algorithm.lr, or of
+    lora.lr under [lora]) and return it."""
     a = cfg.algorithm
-    lr = learning_rate(step, cfg.run.steps, a.lr, a.lr_schedule, a.warmup_steps, a.min_lr_ratio)
+    peak = cfg.lora.lr if cfg.lora.enabled else a.lr
+    lr = learning_rate(step, cfg.run.steps, peak, a.lr_schedule, a.warmup_steps, a.min_lr_ratio)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
@@ -102,9 +106,11 @@ def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], batc
     """(rewards [N] float32, NaN = unscorable; the advantage result of algorithm.advantage, whose keep-mask also
     drops unscorable samples from the loss unless a teacher scores them; the advantages, [N], or [N, T] with on-policy
     distillation or turn-level credit (algorithm.turn_credit other than outcome: episodes, `problems` by group id give
-    TRACE's gold answers); the distillation / turn-credit metrics and advantage/nonzero_frac). `batch`: the rollouts'
-    token batch; rejected [N] bool (update.rejected_samples): samples left out of their group's baseline (advantage 0,
-    as an unscorable one; they stay in the loss mask, where the correction zeroes their tokens)."""
+    TRACE's gold answers); the distillation / turn-credit metrics, data/* and advantage/nonzero_frac), after
+    algorithm.data_policy (phases.apply_data_policy: its keep in the keep-mask, its weights in the advantages).
+    `batch`: the rollouts' token batch; rejected [N] bool (update.rejected_samples): samples left out of their group's
+    baseline (advantage 0, as an unscorable one; they stay in the loss mask, where the correction zeroes their
+    tokens)."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     group_ids = torch.tensor([r.group_id for r in rollouts])
     baseline = rewards if rejected is None else torch.where(rejected, torch.full_like(rewards, float("nan")), rewards)
@@ -120,7 +126,8 @@ def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], batc
         advantages, metrics = adv.advantages.float(), {}
     else:
         advantages, metrics = distill_advantages(cfg, session.teacher, batch, adv.advantages.float(), sampling)
-    return rewards, adv, advantages, metrics | advantage_signal(advantages, adv.keep, batch.mask)
+    adv, advantages, data_metrics = apply_data_policy(cfg, adv, advantages, baseline, group_ids)
+    return rewards, adv, advantages, metrics | data_metrics | advantage_signal(advantages, adv.keep, batch.mask)
 
 
 def kl_reference(cfg: Config, session: Session):
@@ -156,6 +163,7 @@ class Trainer:
         self.saved: Path | None = None  # the checkpoint this process wrote or resumed from last
         self.postfix: dict[str, str] = {}  # the progress bar's figures after the last step
         self.ewma = build_proximal_policy(cfg.correction.proximal, session.model, cfg.correction.ewma_decay)
+        self.sync = weight_sync(cfg, session.model, session.optimizer, rollouts, self.sampling, self.ewma)  # MIPU
         if resume:
             self._resume()
         rollouts.start(self.state.version, self.state.data_position, self.state.scheduler)
@@ -184,19 +192,20 @@ class Trainer:
                timer: _Timer) -> UpdateResult:
         """epochs x minibatches optimizer steps at this step's learning rate (ops/schedule.py)."""
         lr = set_learning_rate(self.s.optimizer, self.cfg, self.state.step)
+        self.sync.snapshot()  # MIPU: what a rejected candidate returns to (nothing otherwise)
         with timer("update"):
             update = policy_update(self.s.model, self.s.optimizer, batch, old.old_logprobs, advantages, self.sampling,
                                    self.settings, sample_keep=keep, ref_model=kl_reference(self.cfg, self.s),
-                                   ewma_logprobs=old.ewma_logprobs, version=self.state.version,
+                                   ewma_logprobs=old.ewma_logprobs, version=self.state.version, distill=self.s.distill,
                                    on_step=None if self.ewma is None else lambda: self.ewma.update(self.s.model))
         update.entropy = old.entropy if update.entropy is None else update.entropy
         update.metrics["actor/lr"] = lr
         return update
 
-    def publish(self) -> None:
+    def publish(self, batch, advantages, keep, update: UpdateResult) -> dict[str, float]:
         check_finite_weights(self.s.model, self.state.step + 1)  # never export (or later save) NaN / inf weights
-        self.state.version += 1
-        self.rollouts.publish(self.state.version)
+        self.state.version += 1  # mipu.enabled: the candidate is kept only if the engine's policy improves (mipu/*)
+        return self.sync.publish(self.state.version, batch, advantages, keep, update.old_logprobs)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out problems with the in-process engine at the newest weights, or the
@@ -235,8 +244,8 @@ class Trainer:
                                                                   batch.versions, self.state.version)
         self.state.data_position = got.next_position  # only a completed step counts
         with timer("sync"):
-            self.publish()
-        return step_metrics(rewards, got.rollouts, batch, update, timer) | score_metrics | mismatch | {
+            synced = self.publish(batch, advantages, adv.keep, update)
+        return step_metrics(rewards, got.rollouts, batch, update, timer) | score_metrics | mismatch | synced | {
             "reward/scorer_errors": float(self.state.scorer_errors), **distill_metrics, **source_metrics,
             "policy/version": float(self.state.version)}
 
@@ -246,8 +255,6 @@ class Trainer:
         it, with StopRequested. Raises NonFiniteError after run.max_bad_steps consecutive non-finite steps.
         `progress=False` hides the bar whatever logging.progress says (the Ray driver draws its own)."""
         cfg = self.cfg
-        from tqdm import tqdm
-
         bar = tqdm(total=cfg.run.steps, initial=self.state.step, desc=cfg.run.name,
                    disable=not (progress and cfg.logging.progress), dynamic_ncols=True, postfix=self.postfix or None)
         try:
@@ -305,13 +312,13 @@ class Trainer:
     def checkpoint(self) -> Path:
         st = self.state
         state = {"data_position": st.data_position, "version": st.version, "scorer_errors": st.scorer_errors,
-                 "engine_precision": self.cfg.engine.precision, **self.guard.state()}
+                 "engine_precision": self.cfg.engine.precision, **self.guard.state(), **self.sync.state()}
         source_state = self.rollouts.state_dict()
         if source_state is not None:
             state["scheduler"] = source_state
         extra = None if self.ewma is None else self.ewma.state_tensors()
-        kept = self.cfg.logging  # the last step's checkpoint may keep the weights only (no resume from it)
-        self.saved = save_checkpoint(self.run_dir, st.step, self.s.model, self.s.optimizer, state, kept.keep_checkpoints,
+        kept, model = self.cfg.logging, self.s.checkpointed  # the last may keep weights only; [lora]: the adapter
+        self.saved = save_checkpoint(self.run_dir, st.step, model, self.s.optimizer, state, kept.keep_checkpoints,
                                      extra=extra, weights_only=kept.final_weights_only and st.step == self.cfg.run.steps)
         return self.saved
 
@@ -326,14 +333,15 @@ class Trainer:
     def _resume(self) -> None:
         """Continue from the newest loadable checkpoint (runs.folder.resume_checkpoint); with none, start over. The rollout
         source pushes the restored weights to its engines when it starts."""
-        found = resume_checkpoint(self.run_dir, self.s.model, self.s.optimizer, lambda path, extra: restore_proximal(
-            self.ewma, extra, self.s.model, self.log, where=path), self.log)
+        found = resume_checkpoint(self.run_dir, self.s.checkpointed, self.s.optimizer, lambda path, extra:
+                                  restore_proximal(self.ewma, extra, self.s.model, self.log, where=path), self.log)
         if found is None:
             return
         path, saved = found
         self.state = TrainState(step=saved["step"], data_position=saved["data_position"], version=saved["version"],
                                 scorer_errors=saved.get("scorer_errors", 0), scheduler=saved.get("scheduler"))
         self.guard.restore(saved)
+        self.sync.restore(saved)
         self.saved = path
         self.postfix = accuracy_figure(last_eval_accuracy(self.run_dir, self.state.step))
         note_engine_precision(saved, self.cfg.engine.precision, self.log)

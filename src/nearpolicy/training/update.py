@@ -17,10 +17,11 @@ from nearpolicy.training.allocator import release_freed_memory
 from nearpolicy.batching import TokenBatch
 from nearpolicy.ops.corrections import CorrectionSpec, correct, correction_log_ratio, mismatch_correction, mismatch_log_ratio
 from nearpolicy.ops.losses import ADVANTAGE_PROPORTIONAL_LOSSES, PolicyLossInput, PolicyLossParams, policy_loss
-from nearpolicy.ops.masked import aggregation_denominator
+from nearpolicy.ops.masked import aggregate, aggregation_denominator, masked_sum
 from nearpolicy.ops.proximal import ais_lambda, discrepancy_center, proximal_logprobs
 from nearpolicy.ops.observation_loss import observation_loss
 from nearpolicy.model.policy import recompute_logprobs, sequence_logprobs, sequence_logprobs_with_raw
+from nearpolicy.training.distillation import UpdateDistill, forward_kl_pass
 from nearpolicy.types import SamplingParams
 
 
@@ -145,9 +146,11 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                   old_logprobs: torch.Tensor | None, advantages: torch.Tensor, sampling: SamplingParams,
                   settings: UpdateSettings, sample_keep: torch.Tensor | None = None,
                   ref_model: torch.nn.Module | None = None, ewma_logprobs: torch.Tensor | None = None,
-                  version: int = 0, on_step: Callable[[], None] | None = None) -> UpdateResult:
+                  version: int = 0, on_step: Callable[[], None] | None = None,
+                  distill: UpdateDistill | None = None) -> UpdateResult:
     """Run `epochs` x `minibatches` optimizer steps over the batch. advantages [B]; sample_keep [B] bool (False = left out
-    of the gradient, e.g. MC-GRPO's pivot); ref_model gives ref_logprobs for the KL penalty.
+    of the gradient, e.g. MC-GRPO's pivot); ref_model gives ref_logprobs for the KL penalty; distill adds the forward
+    KL to its teacher and feeds R-OPD's gradient probe on the first mini-batch (training/distillation.py).
     The loss's proximal log-probs: ops/proximal.proximal_logprobs for settings.proximal and the correction's mode
     (ewma_logprobs [B, T]: the EWMA policy's, for "ewma"; "a3po" interpolates per token from batch.versions and
     the trainer's `version`); on_step is called after every optimizer step (the EWMA update).
@@ -169,8 +172,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                                   batch.has_rollout, batch.versions, version, ewma_logprobs)
         center, spec, totals, normalizer = batch_correction(batch, first, settings, loss_mask)
     rollout, skipped, entropy_grad = batch.rollout_logprobs + center, 0, settings.loss_params.entropy_coef > 0
-    inert = inert_rows(advantages, loss_mask, settings, ref_model is not None)
-    for start in [first for _ in range(settings.epochs) for first in range(0, n, size)]:
+    inert = inert_rows(advantages, loss_mask, settings, ref_model is not None or bool(distill and distill.forward))
+    for index, start in enumerate([first for _ in range(settings.epochs) for first in range(0, n, size)]):
         rows = slice(start, start + size)
         mini_mask = loss_mask[rows]
         tokens = mini_mask.sum().clamp_min(1)
@@ -180,8 +183,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         for m0 in range(start, start + size, settings.micro_batch_size):
             part = slice(m0, min(m0 + settings.micro_batch_size, start + size))
             micro = batch.select(part)
-            logprobs, micro_entropy, echo = _forward(model, micro, sampling, entropy_grad, settings,
-                                                     batch.observation_mask, rows, inert[part])
+            logprobs, micro_entropy, echo, fkl = _forward(model, micro, sampling, entropy_grad, settings,
+                                                          batch.observation_mask, rows, inert[part], distill)
             current[part] = logprobs.detach()
             if fused:
                 old_logprobs[part], entropy[part] = logprobs.detach(), micro_entropy.detach()
@@ -197,10 +200,8 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                                 micro_entropy if entropy_grad else None),
                 settings.loss_params, settings.aggregation, denom,
             )
-            if echo is not None:
-                loss, metrics = loss + settings.observation_loss_coef * echo, {**metrics, "observation_loss": echo.detach()}
-            if loss.requires_grad:  # False only when every row of the micro-batch is inert
-                loss.backward()
+            loss, metrics = _add_terms(loss, metrics, echo, fkl, settings, distill, loss_mask[part], denom, tokens)
+            _backward(loss, distill, first=index == 0)
             share = loss_mask[part].sum() / tokens
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 sums[key] = sums.get(key, 0) + value
@@ -255,19 +256,49 @@ def inert_rows(advantages: torch.Tensor, loss_mask: torch.Tensor, settings: Upda
     return inert
 
 
+def _add_terms(loss: torch.Tensor, metrics: dict, echo: torch.Tensor | None, fkl: torch.Tensor | None,
+               settings: UpdateSettings, distill: UpdateDistill | None, mask: torch.Tensor, denom: torch.Tensor,
+               tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A micro-batch's policy loss plus ECHO's observation term (observation_loss_coef x echo, metric
+    observation_loss) and the forward-KL term: distill.coef x fkl [b, T] aggregated as the policy loss is (the same
+    mask [b, T] and mini-batch denominator, so micro-batches sum to the mini-batch's value), metric
+    distill/forward_kl = its sum over the mini-batch's `tokens` (a token mean once the micro-batches are summed)."""
+    if echo is not None:
+        loss, metrics = loss + settings.observation_loss_coef * echo, {**metrics, "observation_loss": echo.detach()}
+    if fkl is not None:
+        term, value = aggregate(fkl, mask, settings.aggregation, denom), masked_sum(fkl.detach(), mask) / tokens
+        loss, metrics = loss + distill.coef * term, {**metrics, "distill/forward_kl": value}
+    return loss, metrics
+
+
+def _backward(loss: torch.Tensor, distill: UpdateDistill | None, first: bool) -> None:
+    """loss.backward(), unless no row of the micro-batch has a graph (every row inert); on the update's `first`
+    mini-batch R-OPD's gradient probe (distill.probe) then reads the accumulated gradient."""
+    if loss.requires_grad:
+        loss.backward()
+    if first and distill is not None and distill.probe is not None:
+        distill.probe.record()
+
+
 def _forward(model: torch.nn.Module, micro: TokenBatch, sampling: SamplingParams, entropy_grad: bool,
-             settings: UpdateSettings, observation_mask: torch.Tensor | None, rows: slice, inert: torch.Tensor):
-    """(logprobs [b, T], entropy [b, T], ECHO's observation loss of the micro-batch or None): with
+             settings: UpdateSettings, observation_mask: torch.Tensor | None, rows: slice, inert: torch.Tensor,
+             distill: UpdateDistill | None = None):
+    """(logprobs [b, T], entropy [b, T], ECHO's observation loss of the micro-batch or None, the forward KL [b, T]
+    to distill.teacher at the response tokens (micro.mask) or None: training/distillation.forward_kl_pass, one
+    forward for both; config refuses it beside ECHO, and no row is inert with it): with
     settings.observation_loss_coef > 0 and observation tokens in the batch, the raw log-probs of the same forward
     give the cross-entropy of the micro-batch's observation tokens over the mini-batch `rows`' count (so the
     micro-batches' parts sum to the mini-batch's token mean; ops/observation_loss.py, ECHO arXiv:2605.24517).
     The `inert` rows [b] bool (inert_rows) run without grad; their log-probs are detached."""
+    if distill is not None and distill.forward:
+        logprobs, entropy, fkl = forward_kl_pass(model, micro, sampling, entropy_grad, distill, micro.mask)
+        return logprobs, entropy, None, fkl
     if settings.observation_loss_coef <= 0 or observation_mask is None or not bool(observation_mask[rows].any()):
         if not bool(inert.any()):
-            return (*sequence_logprobs(model, micro, sampling, entropy_grad), None)
-        return (*_forward_skipping_inert(model, micro, sampling, inert), None)
+            return (*sequence_logprobs(model, micro, sampling, entropy_grad), None, None)
+        return (*_forward_skipping_inert(model, micro, sampling, inert), None, None)
     logprobs, entropy, raw = sequence_logprobs_with_raw(model, micro, sampling, entropy_grad)
-    return logprobs, entropy, observation_loss(raw, micro.observation_mask, observation_mask[rows].sum())
+    return logprobs, entropy, observation_loss(raw, micro.observation_mask, observation_mask[rows].sum()), None
 
 
 def _forward_skipping_inert(model: torch.nn.Module, micro: TokenBatch, sampling: SamplingParams,
