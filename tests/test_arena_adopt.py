@@ -129,3 +129,25 @@ def test_a_bad_folder_is_an_arena_error(tmp_path, other, capsys):
     assert main(["arena", str(spec.path), "--out", str(spec.out), "--adopt", str(other), "--adopt",
                  str(tmp_path / "broken"), "--page"]) == 2
     assert "error: --adopt " in capsys.readouterr().err and not spec.out.exists()
+
+
+def test_a_record_with_fields_of_the_wrong_type_is_refused_before_anything_is_copied(tmp_path):
+    import json
+
+    from nearpolicy.arena.adopt import read_other
+    from nearpolicy.arena.spec import ArenaError
+
+    folder = tmp_path / "other"
+    (folder / "cells" / "off__q4_1__s0").mkdir(parents=True)
+    state = {"format": 1, "arena": {"base": "b", "cells": {"off/q4_1/s0": {}}}, "seconds": 1.0,
+             "cells": {"off/q4_1/s0": {"status": "done", "seconds": "abc", "attempts": 1}}}
+    (folder / "arena-state.json").write_text(json.dumps(state))
+    with pytest.raises(ArenaError, match="wrong type"):
+        read_other(folder)
+    state["cells"]["off/q4_1/s0"] |= {"seconds": 5.0, "attempts": "x"}
+    (folder / "arena-state.json").write_text(json.dumps(state))
+    with pytest.raises(ArenaError, match="wrong type"):
+        read_other(folder)
+    state["cells"]["off/q4_1/s0"]["attempts"] = 1
+    (folder / "arena-state.json").write_text(json.dumps(state))
+    assert read_other(folder).records["off/q4_1/s0"].seconds == 5.0

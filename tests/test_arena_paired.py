@@ -312,3 +312,13 @@ def test_a_null_statement_says_how_many_seeds_its_spread_needs():
     detected = paired_seeds({0: 0.70, 1: 0.71, 2: 0.72}, {0: 0.50, 1: 0.52, 2: 0.50})
     c2 = PairedComparison(("tis", "q4_1"), ("off", "q4_1"), "late_reward", detected, None, None, None, None, 3)
     assert "seeds would bring" not in c2.statement()
+
+
+def test_seeds_for_mde_says_nothing_without_an_observed_spread():
+    from nearpolicy.arena.paired import seeds_for_mde
+
+    flat = Paired("seeds", 0.1, 0.1, 0.1, 0.0, 0.0, 3, None, 2)
+    assert seeds_for_mde(flat, 1e-9) is None
+    assert seeds_for_mde(Paired("seeds", 0.1, 0.0, 0.2, float("nan"), 0.1, 3, None, 2), 0.05) is None
+    with pytest.raises(ValueError):
+        seeds_for_mde(flat, float("nan"))

@@ -135,11 +135,12 @@ def seeds_for_mde(p: Paired, target: float, most: int = MOST_SEEDS) -> int | Non
     (accuracy units): the SE scaled as 1 / sqrt(n) from the observed one (p.se at p.seeds seeds; the seeds' spread
     and the eval-set floor both shrink so with more seeds), m80(n - 1) x p.se x sqrt(p.seeds / n) <= target. A
     planning figure that takes the observed spread as the true one (3 seeds estimate it loosely). None when `most`
-    seeds would not do, or for a bootstrap comparison (p.method != "seeds"). Raises ValueError unless target > 0."""
-    if target <= 0:
+    seeds would not do, for a bootstrap comparison (p.method != "seeds"), and without an observed spread (fewer than
+    2 seeds, an SE not finite or at most NO_SPREAD). Raises ValueError unless target > 0 (NaN included)."""
+    if not target > 0:
         raise ValueError(f"seeds_for_mde needs a target > 0, got {target}")
-    if p.method != "seeds":
-        return None
+    if p.method != "seeds" or p.seeds < 2 or not math.isfinite(p.se) or p.se <= NO_SPREAD:
+        return None  # no spread observed: nothing to scale
     for n in range(2, most + 1):
         if m80(n - 1) * p.se * math.sqrt(p.seeds / n) <= target:
             return n
