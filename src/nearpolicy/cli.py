@@ -2,7 +2,7 @@
 --resume RUN_DIR [--set ...]`, `nearpolicy list [NAME]`, `nearpolicy config`, `nearpolicy summary RUN_DIR`,
 `nearpolicy report RUN_DIR [-o OUT.html]`, `nearpolicy compare RUN_DIR RUN_DIR... [-o OUT.html]`,
 `nearpolicy diagnose [CONFIG] [--candidates SPEC ...]`, `nearpolicy diagnose [CONFIG] --endpoint URL [--model MODEL]`,
-`nearpolicy arena ARENA.toml [--out DIR] [--dry-run]
+`nearpolicy arena ARENA.toml [--out DIR] [--dry-run] [--workers N] [--adopt DIR]
 [--only CELL_GLOB] [--page]`, `nearpolicy gradbias [CONFIG] [--sources ...] [--corrections ...]`, `nearpolicy export RUN_DIR [--step N] [--out DIR]
 [--gguf PRECISION ...]`, `nearpolicy doctor`, `nearpolicy --version`."""
 
@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="print the effective config (TOML) and the run plan, "
                        "check the run folder, and exit without loading the model or writing anything")
     train.set_defaults(func=_train)
-    lister = sub.add_parser("list", help="list registered advantage estimators, losses, KL estimators and corrections")
+    lister = sub.add_parser("list", help="list registered advantage estimators, losses, KL estimators, corrections, "
+                                         "turn credit and data policies")
     lister.add_argument("name", nargs="?", help="show one name in full: summary, source, definition")
     lister.set_defaults(func=_list)
     sub.add_parser("config", help="every config key with its default, range or choices, and what it does").set_defaults(
