@@ -151,3 +151,17 @@ def test_a_record_with_fields_of_the_wrong_type_is_refused_before_anything_is_co
     state["cells"]["off/q4_1/s0"]["attempts"] = 1
     (folder / "arena-state.json").write_text(json.dumps(state))
     assert read_other(folder).records["off/q4_1/s0"].seconds == 5.0
+
+
+def test_an_arena_whose_own_state_has_a_record_of_the_wrong_type_is_refused(tmp_path):
+    """The same typed read (state.read_record) serves the arena's own state: a damaged record is an ArenaError."""
+    from nearpolicy.arena.state import fingerprint
+
+    spec = load_arena(_arena(tmp_path), tmp_path / "out")
+    cell = spec.cells[0].id
+    state = {"format": 1, "arena": fingerprint(spec), "seconds": 0.0,
+             "cells": {cell: {"status": "done", "seconds": "abc", "attempts": 1}}}
+    spec.out.mkdir(parents=True, exist_ok=True)
+    (spec.out / "arena-state.json").write_text(json.dumps(state))
+    with pytest.raises(ArenaError, match="wrong type"):
+        ArenaState.open(spec.out, spec)

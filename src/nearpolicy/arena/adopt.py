@@ -14,13 +14,12 @@ the state. DIR is only read."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nearpolicy.arena.spec import ArenaError, ArenaSpec, Cell
-from nearpolicy.arena.state import FINAL, FORMAT, STATE, ArenaState, CellRecord, describe_changes
+from nearpolicy.arena.state import FINAL, FORMAT, STATE, ArenaState, CellRecord, describe_changes, read_record
 from nearpolicy.arena.table import duration
 
 
@@ -46,24 +45,10 @@ def read_other(folder: Path) -> Other:
         if data.get("format", FORMAT) != FORMAT:
             raise ValueError(f"format {data.get('format')}, this nearpolicy reads format {FORMAT}")
         configs = {cid: dict(config) for cid, config in data["arena"]["cells"].items()}
-        records = {cid: _record(rec) for cid, rec in data["cells"].items()}
+        records = {cid: read_record(rec) for cid, rec in data["cells"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ArenaError(f"--adopt {folder}: {path} cannot be read ({err})") from None
     return Other(folder, configs, records)
-
-
-def _record(rec: dict) -> CellRecord:
-    """A CellRecord from a stored record, its fields type-checked (a wrong type raises ValueError, so a damaged state
-    is refused before anything is copied)."""
-    record = CellRecord(**{f.name: rec[f.name] for f in fields(CellRecord) if f.name in rec})
-    number = (int, float)
-    if (not isinstance(record.status, str) or isinstance(record.seconds, bool)
-            or not isinstance(record.seconds, number) or not math.isfinite(record.seconds) or record.seconds < 0
-            or isinstance(record.attempts, bool) or not isinstance(record.attempts, int)
-            or not (record.last_step is None or (isinstance(record.last_step, int)
-                                                 and not isinstance(record.last_step, bool)))):
-        raise ValueError(f"a cell record has fields of the wrong type: {rec}")
-    return record
 
 
 def refusal(cell: Cell, config: dict, other: Other, out: Path) -> str | None:

@@ -16,6 +16,7 @@ a different config, another base) is refused, naming what changed."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -39,6 +40,21 @@ class CellRecord:
     error: str | None = None
     failure: str | None = None
     last_step: int | None = None
+
+
+def read_record(rec: dict) -> CellRecord:
+    """A CellRecord from a stored record (keys it does not know ignored, missing ones at their defaults), its fields
+    type-checked: a wrong type raises ValueError, so a damaged state is refused (ArenaState.open) or not adopted
+    from (adopt.read_other) before anything is run or copied."""
+    record = CellRecord(**{f.name: rec[f.name] for f in fields(CellRecord) if f.name in rec})
+    number = (int, float)
+    if (not isinstance(record.status, str) or isinstance(record.seconds, bool)
+            or not isinstance(record.seconds, number) or not math.isfinite(record.seconds) or record.seconds < 0
+            or isinstance(record.attempts, bool) or not isinstance(record.attempts, int)
+            or not (record.last_step is None or (isinstance(record.last_step, int)
+                                                 and not isinstance(record.last_step, bool)))):
+        raise ValueError(f"a cell record has fields of the wrong type: {rec}")
+    return record
 
 
 def fingerprint(spec: ArenaSpec) -> dict:
@@ -109,8 +125,7 @@ class ArenaState:
             return cls(path, current, {cell.id: CellRecord() for cell in spec.cells})
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            stored = {cid: CellRecord(**{f.name: rec[f.name] for f in fields(CellRecord) if f.name in rec})
-                      for cid, rec in data["cells"].items()}
+            stored = {cid: read_record(rec) for cid, rec in data["cells"].items()}
             arena, seconds = data["arena"], float(data.get("seconds", 0.0))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ArenaError(f"{path} cannot be read ({err}); move it away to start the arena over") from None
