@@ -9,7 +9,6 @@ docs/arena-runs/dose-recovery.txt:
 
 from __future__ import annotations
 
-import json
 import tarfile
 import tempfile
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from nearpolicy.arena.paired import paired_bootstrap, paired_seeds
+from nearpolicy.runs.samples import read_outcomes
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "docs/arena-runs"
@@ -24,10 +24,9 @@ SEEDS = (0, 1, 2)
 
 
 def final_outcomes(cell: Path) -> np.ndarray:
-    """The rewards [P] of the cell's last eval (NaN: unscorable)."""
-    lines = [json.loads(line) for line in (cell / "eval_outcomes.jsonl").read_text().splitlines() if line.strip()]
-    last = max(line["step"] for line in lines)
-    rewards = [line for line in lines if line["step"] == last][-1]["rewards"]
+    """The rewards [P] of the cell's last eval (NaN: unscorable), from its eval_outcomes.jsonl (runs/samples.py)."""
+    rows, _ = read_outcomes(cell)
+    rewards = rows[-1]["rewards"]  # in step order: the last eval's
     return np.array([np.nan if r is None else r for r in rewards], dtype=float)
 
 
