@@ -1,8 +1,9 @@
-"""A llama GGUF's tensors as the trainer's float32 weights: what the engine computes with, bit for bit.
+"""A GGUF's tensors as the trainer's float32 weights: what the engine computes with, bit for bit.
 
 Each tensor of the file is dequantized with gguf-py (`gguf.quants.dequantize`: the reference dequantizer, d * q
-(+ m) per block in float32, the same values llama.cpp's `dequantize_row_*` give), llama.cpp's q / k row permutation
-is undone (the inverse of engines/gguf/export._permute, a pure reordering) and the GGUF name is mapped back to the
+(+ m) per block in float32, the same values llama.cpp's `dequantize_row_*` give), the architecture's value
+transform is undone (engines/gguf/architectures.py: llama's q / k row permutation, a pure reordering; gemma3's
+norm shift, GGUF - 1 in float32, what transformers' GGUF loader computes) and the GGUF name is mapped back to the
 Hugging Face name the exporter mapped it from (gguf-py's TensorNameMap). The frozen base of a LoRA run is read this
 way from the engine's own GGUF (docs/lora.md), so trainer and engine hold the same numbers for every tensor."""
 
@@ -15,52 +16,49 @@ import gguf
 import numpy as np
 import torch
 
+from nearpolicy.engines.gguf import architectures
+from nearpolicy.engines.gguf.architectures import arch_spec
 
-def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """The inverse of export._permute: llama.cpp's q / k row order back to Hugging Face's (per head, the two rotary
-    halves de-interleaved). w: [rows, cols] or [rows]; a reordering, no arithmetic."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+unpermute = architectures.unpermute  # llama's q / k unpermutation, still importable from here (tests)
 
 
 def gguf_names(hf_names: list[str], config: Any) -> dict[str, str]:
-    """HF tensor name -> llama GGUF tensor name (gguf-py's TensorNameMap, as the exporter maps them); the tied
-    lm_head and rotary buffers are left out. Raises ValueError for a name the map does not know."""
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    """HF tensor name -> GGUF tensor name (gguf-py's TensorNameMap for the config's architecture, as the exporter
+    maps them); the tied lm_head and rotary buffers are left out. Raises ValueError for an unsupported model_type
+    or a name the map does not know."""
+    return {hf_name: name for hf_name, (_, name) in _gguf_tensors(hf_names, config).items()}
+
+
+def _gguf_tensors(hf_names: list[str], config: Any) -> dict[str, tuple[gguf.MODEL_TENSOR, str]]:
+    spec = arch_spec(config)
     out = {}
     for hf_name in hf_names:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
         if hf_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             continue
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise ValueError(f"cannot map tensor {hf_name!r} to a llama GGUF tensor name")
-        out[hf_name] = name
+        out[hf_name] = spec.gguf_tensor(hf_name, config.num_hidden_layers)
     return out
 
 
 def read_gguf_weights(path: Path, config: Any, hf_names: list[str]) -> dict[str, torch.Tensor]:
     """HF name -> float32 tensor (HF layout, [out, in] for weights) of every name in `hf_names`, read from the GGUF
-    at `path`: dequantized (gguf.quants.dequantize), q / k rows unpermuted (config.num_attention_heads /
-    num_key_value_heads). Raises ValueError naming the file when a tensor is missing or has another element
-    count than the name's HF shape allows."""
-    wanted = gguf_names(hf_names, config)
+    at `path`: dequantized (gguf.quants.dequantize), the architecture's transform undone (llama: q / k rows
+    unpermuted by config.num_attention_heads / num_key_value_heads; gemma3: norms minus 1), the weights
+    transformers' GGUF loader gives. Raises ValueError for an unsupported model_type, or naming the file when a
+    tensor is missing or has another element count than the name's HF shape allows."""
+    spec = arch_spec(config)
+    wanted = _gguf_tensors(hf_names, config)
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    n_head = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_head
     out = {}
-    for hf_name, name in wanted.items():
+    for hf_name, (kind, name) in wanted.items():
         if name not in tensors:
             raise ValueError(f"{path} has no tensor {name} (for {hf_name})")
         t = tensors[name]
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF ne order is reversed
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
-        if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            w = unpermute(w, n_head)
-        elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            w = unpermute(w, n_kv)
+        w = spec.from_gguf(w, kind, config)
         out[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a copy: the file is mapped
     return out
 

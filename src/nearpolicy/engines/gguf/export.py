@@ -1,10 +1,12 @@
-"""Export trainer weights (an HF llama state dict) to a llama-architecture GGUF that llama.cpp loads.
+"""Export trainer weights (an HF state dict) to a GGUF that llama.cpp loads, for the architectures of
+engines/gguf/architectures.py (llama, gemma3_text), chosen by the config's model_type.
 
-Metadata: the tokenizer / general fields come from a template GGUF (copied byte for byte) or, without one, from
-the HF tokenizer; the `llama.*` architecture keys and `general.file_type` always come from the HF config.
-Tensors: HF names mapped with gguf-py's TensorNameMap; q_proj / k_proj rows permuted the way llama.cpp's
-convert_hf_to_gguf.py does (transformers undoes it on GGUF load); 2-D weights quantized with gguf-py in numpy,
-1-D tensors kept F32. Writes are atomic (temp file in the same folder, fsync, os.replace) and deterministic.
+Metadata: the tokenizer / general fields come from a template GGUF of the same architecture (copied byte for
+byte) or, without one, from the HF tokenizer; the `{arch}.*` keys and `general.file_type` always come from the HF
+config. Tensors: HF names mapped with gguf-py's TensorNameMap for the architecture; values transformed as
+llama.cpp's convert_hf_to_gguf.py does (llama: q / k rows permuted; gemma3: norms stored as 1 + w), which
+transformers undoes on GGUF load; 2-D weights quantized with gguf-py in numpy, 1-D tensors kept F32. Writes are
+atomic (temp file in the same folder, fsync, os.replace) and deterministic.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import gguf
 import numpy as np
 import torch
 
+from nearpolicy.engines.gguf.architectures import ArchSpec, arch_spec, permute
 from nearpolicy.engines.gguf.rounding import check_rounding, rounding_input
 from nearpolicy.engines.gguf.quantize import quantize
 from nearpolicy.engines.gguf.tokenizer import add_tokenizer_metadata
@@ -41,9 +44,9 @@ QTYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
 PRECISIONS: tuple[str, ...] = tuple(QTYPES)
 
 _EMBEDDING = ("token_embd.weight", "output.weight")
-_ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
-# Template fields not copied: virtual reader fields, ones GGUFWriter writes, and ones derived from the config.
-_SKIP_PREFIXES = ("GGUF.", "llama.")
+_permute = permute  # llama's q / k permutation under its old name here (tests import it)
+# Template fields not copied: virtual reader fields (GGUF.), ones GGUFWriter writes, and ones derived from the
+# config (every `{arch}.` key).
 _SKIP_KEYS = {"general.architecture", "general.file_type", "general.quantization_version", "general.alignment"}
 
 @dataclass
@@ -70,16 +73,18 @@ def export_gguf(
     rounding: str = "nearest",
     rounding_seed: int = 0,
 ) -> ExportReport:
-    """Write `state_dict` (HF llama names, any float dtype, [out, in] weights) as a GGUF at `precision`.
+    """Write `state_dict` (HF names, any float dtype, [out, in] weights) as a GGUF at `precision`.
 
-    `config` is the HF LlamaConfig; `template_gguf` a llama GGUF whose general.* / tokenizer.* fields (and tensor
+    `config` is the HF config (model_type llama or gemma3_text: engines/gguf/architectures.py); `template_gguf` a
+    GGUF of the same architecture whose general.* / tokenizer.* fields (and tensor
     order, when it has the same tensors) are copied; without one, `tokenizer` (an HF fast byte-level BPE tokenizer)
     provides the tokenizer metadata. Re-exporting a GGUF's own dequantized weights at its own types reproduces it
     byte for byte. `embedding_precision` (default: `precision`) applies to token_embd / output, e.g. "q8_0" with
     "q4_1" as llama.cpp's quantizer does. `tensor_precision` (selector, precision) pairs override both per tensor
     (engines/gguf/precision_map.py). `rounding`: "nearest" or "stochastic" with `rounding_seed` (engines/gguf/rounding.py).
-    Raises ValueError (unknown precision or rounding, unknown tensor name, non-llama template), NotImplementedError
-    (rope scaling, a tokenizer this exporter cannot describe); on any error `out_path` is left untouched.
+    Raises ValueError (unsupported model_type, unknown precision or rounding, unknown tensor name, a template of
+    another architecture), NotImplementedError (rope scaling or another config feature llama.cpp would compute
+    differently, a tokenizer this exporter cannot describe); on any error `out_path` is left untouched.
     """
     out_path = Path(out_path)
     start = time.perf_counter()
@@ -171,18 +176,20 @@ def _metadata_writer(config: Any, ftype: gguf.LlamaFileType, template_gguf: Path
                      tokenizer: Any) -> tuple[gguf.GGUFWriter, tuple[str, ...]]:
     """A GGUFWriter holding the metadata (template or tokenizer fields, arch keys from `config`) and the
     template's tensor order (empty without a template)."""
-    writer = gguf.GGUFWriter(path=None, arch=_ARCH)
-    arch_kv = _arch_metadata(config, ftype)
+    spec = arch_spec(config)
+    writer = gguf.GGUFWriter(path=None, arch=spec.name)
+    arch_kv = _arch_metadata(spec, config, ftype)
     tensor_order: tuple[str, ...] = ()
     if template_gguf is not None:
         template = Path(template_gguf)
         st = template.stat()
-        fields, tensor_order = _template_fields(str(template.resolve()), st.st_size, st.st_mtime_ns)
+        fields, tensor_order = _template_fields(str(template.resolve()), st.st_size, st.st_mtime_ns, spec.name)
+        skip_prefixes = ("GGUF.", f"{spec.name}.")
         for key, value, vtype, sub_type in fields:  # template order; arch keys take their template slot
             if key in arch_kv:
                 v = arch_kv.pop(key)
                 writer.add_key_value(key, v.value, v.type)
-            elif not (key in _SKIP_KEYS or key.startswith(_SKIP_PREFIXES)):
+            elif not (key in _SKIP_KEYS or key.startswith(skip_prefixes)):
                 writer.add_key_value(key, value, vtype, sub_type=sub_type)
     elif tokenizer is not None:
         add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
@@ -207,21 +214,11 @@ def _write_atomically(writer: gguf.GGUFWriter, out_path: Path) -> None:
 
 def tensor_precision(hf_name: str, config: Any, precision: str, overrides: PrecisionMap = (),
                      embedding_precision: str | None = None) -> str:
-    """The GGUF type `export_gguf` stores the HF tensor `hf_name` at (2-D weights; 1-D tensors stay F32)."""
-    name = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers).get_name(
-        hf_name, try_suffixes=(".weight", ".bias"))
-    if name is None:
-        raise ValueError(f"cannot map tensor {hf_name!r} to a llama GGUF tensor name")
+    """The GGUF type `export_gguf` stores the HF tensor `hf_name` at (2-D weights; 1-D tensors stay F32). Raises
+    ValueError for an unsupported model_type or a name the architecture's map does not know."""
+    _, name = arch_spec(config).gguf_tensor(hf_name, config.num_hidden_layers)
     default = (embedding_precision or precision) if name in _EMBEDDING else precision
     return precision_for(name, default, overrides)
-
-
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k row order: per head, interleave the two rotary halves. w: [rows, cols] or [rows]."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _canonical_order(name: str) -> tuple[int, str]:
@@ -241,29 +238,21 @@ def _convert_tensors(
 ) -> list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]]:
     """(GGUF name, array, GGML type) per tensor, in the template's tensor order when it has the same tensors,
     else token_embd, blocks, output; fills report.tensor_types / fallback_f16."""
-    n_layers = config.num_hidden_layers
-    n_head = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_head
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    spec = arch_spec(config)
     out: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
     for hf_name, tensor in state_dict.items():
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
         if hf_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             continue
-        if (name := name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))) is None:
-            raise ValueError(f"cannot map tensor {hf_name!r} to a llama GGUF tensor name")
+        kind, name = spec.gguf_tensor(hf_name, config.num_hidden_layers)
         w = np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy())
         t = qtype_of(name) if w.ndim >= 2 else _Q.F32
         if w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] != 0:
             t = _Q.F16
             report.fallback_f16.append(name)
         w = gridded(w, t)  # in the trainer's layout (model/aligned.py rounds the same array); rows: permutation-safe
-        if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            w = _permute(w, n_head)
-        elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            w = _permute(w, n_kv)
-        w = np.ascontiguousarray(w, dtype=np.float32)
+        w = np.ascontiguousarray(spec.to_gguf(w, kind, config), dtype=np.float32)
         out.append((name, quantize(w, t), t))
         report.tensor_types[name] = t.name
     if sorted(template_order) == sorted(n for n, _, _ in out):
@@ -275,47 +264,28 @@ def _convert_tensors(
     return out
 
 
-def _arch_metadata(config: Any, ftype: gguf.LlamaFileType) -> dict[str, Any]:
-    """key -> GGUFValue: llama.* hyper-parameters from the HF config, file type and quantization version."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise NotImplementedError(f"rope scaling {rope_type!r} is not exported to GGUF")
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("config has no rope_theta")
-    n_head = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_head
-    writer = gguf.GGUFWriter(path=None, arch=_ARCH)  # scratch: its typed add_* helpers name and type the keys
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or n_head)
-    writer.add_rope_freq_base(float(theta))
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // n_head:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_vocab_size(config.vocab_size)
+def _arch_metadata(spec: ArchSpec, config: Any, ftype: gguf.LlamaFileType) -> dict[str, Any]:
+    """key -> GGUFValue: `{arch}.*` hyper-parameters from the HF config, file type and quantization version."""
+    writer = gguf.GGUFWriter(path=None, arch=spec.name)  # scratch: its typed add_* helpers name and type the keys
+    spec.add_keys(writer, config)
     writer.add_file_type(int(ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     return {k: v for k, v in writer.kv_data[0].items() if k != "general.architecture"}
 
 
 @functools.lru_cache(maxsize=4)
-def _template_fields(path: str, size: int, mtime_ns: int) -> tuple[tuple[tuple[Any, ...], ...], tuple[str, ...]]:
-    """((key, value, type, sub_type) per field, tensor names), in file order; strings kept as raw bytes.
+def _template_fields(path: str, size: int, mtime_ns: int,
+                     arch: str) -> tuple[tuple[tuple[Any, ...], ...], tuple[str, ...]]:
+    """((key, value, type, sub_type) per field, tensor names), in file order; strings kept as raw bytes. Raises
+    ValueError when the template's general.architecture is not `arch`.
 
     Cached per file version (size, mtime): parsing SmolLM2's 49152 tokens and 48900 merges takes about 3.5 s.
     """
     reader = gguf.GGUFReader(path)
-    arch = reader.fields.get("general.architecture")
-    if arch is None or arch.contents() != "llama":
-        raise ValueError(f"template {path} is not a llama GGUF")
+    field = reader.fields.get("general.architecture")
+    found = field.contents() if field is not None else None
+    if found != arch:
+        raise ValueError(f"template {path} is a {found} GGUF; this model's architecture is {arch}")
     fields = []
     for f in reader.fields.values():
         if f.name.startswith("GGUF."):

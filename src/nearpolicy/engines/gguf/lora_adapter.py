@@ -2,13 +2,15 @@
 
 What llama.cpp's convert_lora_to_gguf.py writes (ggml-org/llama.cpp, the script vendored in llama-cpp-python
 0.3.36), and what its loader (src/llama-adapter.cpp) reads:
-- metadata: general.architecture = "llama" (must equal the base model's), general.type = "adapter",
+- metadata: general.architecture = the base model's ("llama", "gemma3": engines/gguf/architectures.py; llama.cpp
+  refuses any other), general.type = "adapter",
   adapter.type = "lora", adapter.lora.alpha (float32);
 - per adapted base tensor "<GGUF name>" two tensors, "<GGUF name>.lora_a" = PEFT's lora_A [r, in] and
   "<GGUF name>.lora_b" = PEFT's lora_B [out, r] (numpy row-major, so ggml ne = [in, r] and [r, out]: the loader
   checks a.ne[0] == base.ne[0], b.ne[1] == base.ne[1], a.ne[1] == b.ne[0]);
-- for attn_q / attn_k, lora_b's rows permuted as the base's q / k rows are (the script's LoraTorchTensor.permute
-  moves only B when the last axis stays; the exporter's `_permute` is the same reordering).
+- for llama's attn_q / attn_k, lora_b's rows permuted as the base's q / k rows are (the script's
+  LoraTorchTensor.permute moves only B when the last axis stays; the exporter's `_permute` is the same reordering);
+  gemma3 stores its projections as they are (its norm shift touches no adapted tensor).
 llama.cpp adds scale * B (A x) to the base matmul with scale = alpha / r (r = b.ne[0]; `llama_adapter_lora_weight::
 get_scale`, adapter scale 1.0), PEFT's scaling for use_rslora = false. Tensors are written at F32 (the script's
 default --outtype), so the adapter reaches the engine unrounded."""
@@ -23,11 +25,9 @@ import gguf
 import numpy as np
 import torch
 
-from nearpolicy.engines.gguf.dequantize import gguf_names
-from nearpolicy.engines.gguf.export import _permute
+from nearpolicy.engines.gguf.architectures import ArchSpec, arch_spec
 from nearpolicy.files import atomic_path
 
-_ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The llama projections an adapter may target (PEFT's and transformers' spelling; [lora] target_modules)."""
 
@@ -36,24 +36,21 @@ def adapter_arrays(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
                    config: Any) -> list[tuple[str, np.ndarray]]:
     """(GGUF tensor name, float32 array) pairs exactly as export_lora_gguf writes them: per HF base weight name
     (e.g. "model.layers.0.self_attn.q_proj.weight") with (lora_A [r, in], lora_B [out, r]), "<name>.lora_a" = A and
-    "<name>.lora_b" = B, B's rows permuted for q_proj (num_attention_heads) and k_proj (num_key_value_heads), in
-    the canonical block order. Raises ValueError for a name the llama map does not know or shapes that do not
-    chain (A's rank != B's)."""
-    names = gguf_names(list(adapters), config)
-    n_head = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    "<name>.lora_b" = B, B's rows transformed as the base's (llama: permuted for q_proj by num_attention_heads and
+    k_proj by num_key_value_heads; gemma3: as they are), in the canonical block order. Raises ValueError for an architecture without GGUF LoRA support, a name its map
+    does not know or that is no projection, or shapes that do not chain (A's rank != B's)."""
+    spec = _lora_spec(config)
     out = []
     for hf_name, (a, b) in adapters.items():
+        kind, name = spec.gguf_tensor(hf_name, config.num_hidden_layers)
+        if kind not in spec.lora_kinds:
+            raise ValueError(f"{hf_name}: a GGUF LoRA adapter targets projections only, not {kind.name}")
         a = a.detach().to("cpu", torch.float32).numpy()
         b = b.detach().to("cpu", torch.float32).numpy()
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"{hf_name}: lora_A {a.shape} and lora_B {b.shape} do not chain (rank mismatch)")
-        if hf_name.endswith("self_attn.q_proj.weight"):
-            b = _permute(b, n_head)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
-            b = _permute(b, n_kv)
-        out += [(names[hf_name] + ".lora_a", np.ascontiguousarray(a)),
-                (names[hf_name] + ".lora_b", np.ascontiguousarray(b))]
+        b = spec.to_gguf(b, kind, config)  # B's rows are the base weight's: the same row transform
+        out += [(name + ".lora_a", np.ascontiguousarray(a)), (name + ".lora_b", np.ascontiguousarray(b))]
     return sorted(out, key=lambda item: _block_order(item[0]))
 
 
@@ -64,7 +61,7 @@ def export_lora_gguf(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], con
     engine may be reading the previous one). `alpha`: PEFT's lora_alpha (llama.cpp scales by alpha / r). Returns
     the seconds the write took. Raises ValueError as adapter_arrays; OSError from the write."""
     start = time.perf_counter()
-    writer = gguf.GGUFWriter(path=None, arch=_ARCH)
+    writer = gguf.GGUFWriter(path=None, arch=_lora_spec(config).name)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
@@ -79,6 +76,15 @@ def export_lora_gguf(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], con
     finally:
         writer.close()
     return time.perf_counter() - start
+
+
+def _lora_spec(config: Any) -> ArchSpec:
+    """The config's ArchSpec; ValueError when it has no GGUF LoRA support (or as arch_spec)."""
+    spec = arch_spec(config)
+    if not spec.lora_kinds:
+        raise ValueError(f"GGUF LoRA adapters are not supported for the {spec.name} architecture "
+                         f"(model_type {spec.model_type})")
+    return spec
 
 
 def _block_order(name: str) -> tuple[int, str]:
