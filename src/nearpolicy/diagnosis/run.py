@@ -111,14 +111,19 @@ def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
     from nearpolicy.training.assemble import build_task, sampling_params
 
     torch.set_num_threads(cfg.run.threads)
+    from nearpolicy.model.identity import check_support, model_facts
+    from nearpolicy.model.templates import use_chat_template
+
     resolved = resolve_model(cfg.model.path)
+    check_support(model_facts(resolved), cfg)
     task = build_task(cfg)  # before the model loads: a bad task.path or task.name fails in seconds
     model, tokenizer = load_policy(cfg.model.path)
+    use_chat_template(tokenizer, cfg.model.chat_template)
     model.float().eval().requires_grad_(False)
     if settings.weights is not None:
         load_model_weights(settings.weights, model)
         log(f"weights from {settings.weights}")
-    prompts = [chat_prompt_ids(tokenizer, cfg.task.system_prompt, task.train_problem(i).question)
+    prompts = [chat_prompt_ids(tokenizer, cfg.task.system_prompt, task.train_problem(i).question, cfg.task.example)
                for i in range(settings.prompts)]
     sampling = sampling_params(cfg)
     Path(settings.out).mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Locating and loading the policy: the shipped SmolLM2 GGUF, a user GGUF, or a Hugging Face folder.
+"""Locating and loading the policy: the shipped SmolLM2 GGUF, a packaged model (model/catalog.py), a user GGUF, or a
+Hugging Face folder.
 
 `resolve_model` turns the `model.path` config string into a checked `ResolvedModel`; `load_policy` loads the
 trainer's float32 copy of it with transformers (a GGUF is dequantized, and transformers undoes llama.cpp's q/k
@@ -14,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from nearpolicy.model.catalog import PACKAGED_MODELS, packaged_gguf
 
 DEFAULT_SPEC = "smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,18 +47,24 @@ class ResolvedModel:
 
 
 def resolve_model(spec: str) -> ResolvedModel:
-    """Resolve `model.path`: "smollm2" (the shipped GGUF), an existing .gguf file, or an HF folder with config.json.
+    """Resolve `model.path`: "smollm2" (the shipped GGUF), a packaged model's name ("gemma3-270m": its PyPI
+    package's GGUF, assembled once into cache_root() / "models" and sha256-checked, model/catalog.py), an existing
+    .gguf file, or an HF folder with config.json.
 
-    Raises FileNotFoundError naming `model.path` when the path does not exist; ValueError when the file is not a
-    readable GGUF (bad magic, truncated), is neither .gguf nor a folder, or the folder lacks config.json.
+    Raises FileNotFoundError naming `model.path` when the path does not exist (or a packaged model's pip package is
+    not installed); ValueError when the file is not a readable GGUF (bad magic, truncated), is neither .gguf nor a
+    folder, the folder lacks config.json, or a packaged model's pieces do not match its sha256.
     """
+    if spec in PACKAGED_MODELS:  # sha256-checked against the package on every resolve: no header check needed
+        return ResolvedModel("gguf", packaged_gguf(spec, cache_root() / "models"))
     if spec == DEFAULT_SPEC:
         path = default_model_gguf()
     else:
         path = Path(spec).expanduser()
         if not path.exists():
+            names = ", ".join(repr(n) for n in (DEFAULT_SPEC, *PACKAGED_MODELS))
             raise FileNotFoundError(
-                f"model.path {spec!r} does not exist; expected {DEFAULT_SPEC!r}, a .gguf file, "
+                f"model.path {spec!r} does not exist; expected {names}, a .gguf file, "
                 "or a Hugging Face model folder containing config.json"
             )
         path = path.resolve()

@@ -25,6 +25,7 @@ from pathlib import Path
 from nearpolicy.config.schema import EngineConfig
 from nearpolicy.engines.gguf.export import PRECISIONS, export_model_gguf
 from nearpolicy.model.load import ResolvedModel, load_model_weights, load_policy, read_model_weights, resolve_model
+from nearpolicy.model.templates import use_chat_template
 from nearpolicy.runs.folder import CHECKPOINT_PREFIX, list_checkpoints, read_json_object
 from nearpolicy.runs.lora_export import export_adapter, is_lora_run
 
@@ -128,6 +129,7 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
     try:
         if model is None:  # [lora]: an adapter-only checkpoint; the HF folder and GGUFs get the merged policy
             model, tokenizer = export_adapter(config, spec, resolved, weights, tmp, log)
+        use_chat_template(tokenizer, _model_section(run_dir).get("chat_template", "auto"))  # the run's prompt layout
         save_hf_folder(model, tokenizer, tmp, read_json_object(run_dir / "plan.json").get("stop_token_ids"))
         names, template = [], resolved.path if resolved.kind == "gguf" else None
         seed = int(_config_section(run_dir, "run").get("seed", 0))  # of the run's engine.export_rounding draws

@@ -61,7 +61,8 @@ class Session:
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """Chat-templated prompt ids (template applied once, generation prompt appended)."""
-        return chat_prompt_ids(self.tokenizer, self.cfg.task.system_prompt, problem.question)
+        task = self.cfg.task
+        return chat_prompt_ids(self.tokenizer, task.system_prompt, problem.question, task.example)
 
     def episode_prompt_ids(self, problem: Problem) -> list[int]:
         """An episode's first prompt: episode.system_prompt, the worked episode.example, the question."""
@@ -86,11 +87,14 @@ def sampling_params(cfg: Config) -> SamplingParams:
 def build_session(cfg: Config, run_dir: Path, log) -> Session:
     """Load the policy (float32), its optimizer, reference and teacher, and build the task. The task and the
     teacher's path are checked before the policy loads (tens of seconds), so a typo fails fast."""
+    from nearpolicy.model.identity import check_support, model_facts
     from nearpolicy.model.load import load_policy, resolve_model
+    from nearpolicy.model.templates import use_chat_template
 
     torch.set_num_threads(cfg.run.threads)
     reuse_freed_memory(cfg.run.reuse_freed_memory)
     resolved = resolve_model(cfg.model.path)
+    check_support(model_facts(resolved), cfg)  # an architecture a configured piece cannot run: refused before loading
     task = build_task(cfg)
     log(describe_task(task))
     if cfg.distill.teacher is not None:
@@ -100,6 +104,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
             raise ValueError(f"distill.teacher: {err}") from None
     log(f"loading the policy {resolved.path} ({resolved.kind}) in float32...")
     model, tokenizer = load_policy(cfg.model.path)
+    use_chat_template(tokenizer, cfg.model.chat_template)
     model.float()
     a = cfg.algorithm
     if a.precision_alignment == "engine":
@@ -196,9 +201,11 @@ def _describe_episodes(cfg: Config) -> str:
 def dry_plan(cfg: Config) -> dict:
     """run_plan without loading a model: the model and teacher paths are resolved and the task is built (seconds).
     Raises what build_session raises for a bad model.path, distill.teacher or task."""
+    from nearpolicy.model.identity import check_support, model_facts
     from nearpolicy.model.load import resolve_model
 
     resolved = resolve_model(cfg.model.path)
+    check_support(model_facts(resolved), cfg)
     if cfg.distill.teacher is not None:
         try:
             resolve_model(cfg.distill.teacher)

@@ -1,0 +1,100 @@
+"""The log-prob contract on a second architecture: a tiny random Gemma 3 (sliding-window and global layers, Gemma's
+(1 + w) norms, tied head) in the transformers engine (its generic stepper on transformers' own cache) and in the
+vLLM engine (own process and environment), each against the trainer's float32 forward. llama.cpp on Gemma 3 is
+tests/test_gguf_architectures.py; the real gemma-3-270m through every engine is the slow test at the end.
+
+Bounds: the transformers engine computes what the trainer computes up to float32 summation order (1e-4 nats, as
+for llama in tests/test_hf_decode.py); vLLM fp32 likewise (1e-4, tests/test_vllm_engine.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nearpolicy.engines.hf import HFEngine
+from nearpolicy.ops.logprobs import transformed_log_softmax
+from nearpolicy.types import GenerationRequest, SamplingParams
+
+# head_dim 64: the smallest vLLM's CPU attention kernel takes; sliding window 8 so the window is crossed
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=8,
+            max_position_embeddings=512, initializer_range=0.2, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+STOP_IDS = {1, 106}
+PROMPT = [2, 105, 17, 300, 41, 7, 106, 9, 105, 88]
+T1 = SamplingParams(1.0, 1.0, 0, 20)
+T07 = SamplingParams(0.7, 0.9, 20, 20)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(**TINY, layer_types=["sliding_attention", "full_attention"] * 2)
+    model = Gemma3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # norms off zero so a missing (1 + w) would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    return model
+
+
+@torch.no_grad()
+def trainer_logprobs(model, prompt: list[int], completion: list[int], sampling: SamplingParams) -> np.ndarray:
+    """The trainer's log-probs [T] (transformers fp32 full forward) of `completion` under the sampling transform."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
+    logp = transformed_log_softmax(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).numpy()
+
+
+def _max_gap(model, rollouts, sampling) -> float:
+    return max(float(np.abs(trainer_logprobs(model, r.prompt_ids, r.completion_ids, sampling)
+                            - np.asarray(r.rollout_logprobs)).max()) for r in rollouts)
+
+
+def _requests() -> list[GenerationRequest]:
+    return [GenerationRequest(0, tuple(PROMPT), 4), GenerationRequest(1, tuple(PROMPT[:5]), 4)]
+
+
+@pytest.mark.parametrize("sampling", [T1, T07], ids=["T1", "T0.7-topk20-topp0.9"])
+def test_hf_engine_rollout_logprobs_on_gemma3_are_the_trainers(tiny_gemma, sampling):
+    engine = HFEngine(tiny_gemma, STOP_IDS, dtype="fp32")
+    rollouts = engine.generate(_requests(), sampling, seed=3)
+    assert len(rollouts) == 8 and max(len(r.completion_ids) for r in rollouts) > TINY["sliding_window"]
+    assert _max_gap(tiny_gemma, rollouts, sampling) < 1e-4
+    for r in rollouts:
+        assert not set(r.completion_ids[:-1]) & STOP_IDS
+
+
+def test_hf_engine_greedy_and_weight_sync_on_gemma3(tiny_gemma):
+    engine = HFEngine(tiny_gemma, STOP_IDS, dtype="fp32")
+    with torch.no_grad():
+        want = tiny_gemma.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=sorted(STOP_IDS), pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert engine.greedy([PROMPT], 12) == [want]
+    moved = {k: v + 0.05 * torch.randn_like(v) for k, v in tiny_gemma.state_dict().items()}
+    engine.update_weights(moved, 1)
+    shifted = HFEngine(tiny_gemma, STOP_IDS, dtype="fp32")
+    shifted.model.load_state_dict(moved)
+    completion = engine.greedy([PROMPT], 12)[0]
+    got = np.asarray(engine.score(PROMPT, completion, T1))
+    assert np.abs(got - trainer_logprobs(shifted.model, PROMPT, completion, T1)).max() < 1e-4
+    assert np.abs(got - trainer_logprobs(tiny_gemma, PROMPT, completion, T1)).max() > 1e-3  # the sync mattered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [T1, T07], ids=["T1", "T0.7-topk20-topp0.9"])
+def test_vllm_rollout_logprobs_on_gemma3_are_the_trainers(tiny_gemma, sampling, tmp_path):
+    from nearpolicy.engines.vllm_engine import VLLMProcessEngine
+
+    engine = VLLMProcessEngine(tiny_gemma.config, tiny_gemma.state_dict(), tmp_path / "weights", stop_ids=STOP_IDS,
+                               max_context=512, max_parallel_sequences=8, threads=1, kv_cache_gib=0.25,
+                               log_path=tmp_path / "vllm.log", probe_prompt=PROMPT)
+    try:
+        rollouts = engine.generate(_requests(), sampling, seed=3)
+    finally:
+        engine.close()
+    assert len(rollouts) == 8 and max(len(r.completion_ids) for r in rollouts) > TINY["sliding_window"]
+    assert _max_gap(tiny_gemma, rollouts, sampling) < 1e-4
