@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from nearpolicy.engines.gguf.architectures import SUPPORTED_MODEL_TYPES as GGUF_MODEL_TYPES
 from nearpolicy.model.templates import CHAT_TEMPLATES, describe_choices
 
 _HF_NAMES = {"gemma3": "gemma3_text"}  # GGUF general.architecture -> transformers model_type, where they differ
@@ -200,7 +201,7 @@ class Piece:
 _LLAMA = frozenset({"llama"})
 SUPPORT: tuple[Piece, ...] = (
     Piece("the llama.cpp engine, its GGUF export and in-place sync", (("engine.kind", "llamacpp"),),
-          frozenset({"llama", "gemma3_text"})),
+          frozenset(GGUF_MODEL_TYPES)),
     Piece("the hf engine", (("engine.kind", "hf"),), None),
     Piece("the vLLM engine", (("engine.kind", "vllm"),), frozenset({"llama", "gemma3_text"})),
     Piece("the aligned trainer: model/aligned.py emulates llama.cpp's llama graph",
