@@ -98,3 +98,12 @@ def test_vllm_rollout_logprobs_on_gemma3_are_the_trainers(tiny_gemma, sampling, 
         engine.close()
     assert len(rollouts) == 8 and max(len(r.completion_ids) for r in rollouts) > TINY["sliding_window"]
     assert _max_gap(tiny_gemma, rollouts, sampling) < 1e-4
+
+
+def test_the_aligned_trainer_refuses_gemma3(tiny_gemma):
+    """model/aligned.py emulates llama.cpp's llama graph: on Gemma 3 it refuses (diagnose then skips its aligned
+    column) instead of patching a rotary embedding whose signature differs."""
+    from nearpolicy.model.aligned import align_model
+
+    with pytest.raises(ValueError, match="emulates llama.cpp's llama graph; this model is gemma3_text"):
+        align_model(tiny_gemma, "q8_0")

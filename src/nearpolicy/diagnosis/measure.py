@@ -133,10 +133,13 @@ def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samp
 def aligned_logprobs(ctx: DiagnoseContext, candidate: RolloutCandidate, batch, sampling: SamplingParams):
     """The precision-aligned trainer's log-probs [B, T] (float32, no grad) of the batch's tokens against a llama.cpp
     candidate (model/aligned.py: its weight types, activation rounding and KV cache), or None where alignment does not
-    apply (other engines, weights_only, flash attention). ctx.model is restored afterwards."""
-    if not kind_of(candidate.engine).alignable or candidate.weights_only or candidate.flash_attention:
+    apply (other engines, weights_only, flash attention, an architecture model/aligned.py does not emulate).
+    ctx.model is restored afterwards."""
+    from nearpolicy.model.aligned import ALIGNED_ARCHITECTURES, align_model
+
+    if (not kind_of(candidate.engine).alignable or candidate.weights_only or candidate.flash_attention
+            or ctx.model.config.model_type not in ALIGNED_ARCHITECTURES):
         return None
-    from nearpolicy.model.aligned import align_model
 
     with align_model(ctx.model, candidate.precision, candidate.tensor_precision, candidate.kv_cache):
         return recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]

@@ -130,6 +130,9 @@ class Alignment:
         self.remove()
 
 
+ALIGNED_ARCHITECTURES = ("llama",)  # transformers model_type whose llama.cpp graph this module emulates
+
+
 def align_model(model: torch.nn.Module, precision: str, tensor_precision: PrecisionMap = (),
                 kv_cache: str = "f16", rounding: str = "nearest", seed: int = 0) -> Alignment:
     """Make `model` (a transformers llama, float32) compute what a llama.cpp engine on its `precision` export
@@ -140,6 +143,9 @@ def align_model(model: torch.nn.Module, precision: str, tensor_precision: Precis
     (torch's default AdamW bumps it; a fused optimizer or a .data copy would not: not supported)."""
     if kv_cache not in KV_CACHE_TYPES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
+    if model.config.model_type not in ALIGNED_ARCHITECTURES:
+        raise ValueError(f"precision alignment emulates llama.cpp's {', '.join(ALIGNED_ARCHITECTURES)} graph; this "
+                         f"model is {model.config.model_type}")
     if getattr(model, "_nearpolicy_alignment", None) is not None:
         raise ValueError("model is already aligned: remove() the previous Alignment first")
     rope = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}

@@ -48,6 +48,7 @@ def packaged_gguf(name: str, folder: Path) -> Path:
     module = _package(entry)
     target = Path(folder) / module.MODEL_NAME
     if target.is_file() and _has_sha256(target, module.EXPECTED_SHA256):
+        _remove_stale(target)  # a killed first assembly's temp file would otherwise stay once the target is good
         return target
     return _assemble(entry, module, target)
 

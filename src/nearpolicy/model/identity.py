@@ -125,7 +125,11 @@ def model_facts(resolved) -> ModelFacts:
 
 @functools.lru_cache(maxsize=16)
 def _facts(kind: str, path: str, size: int, mtime_ns: int) -> ModelFacts:
-    return _gguf_facts(Path(path)) if kind == "gguf" else _hf_facts(Path(path))
+    try:
+        return _gguf_facts(Path(path)) if kind == "gguf" else _hf_facts(Path(path))
+    except (AttributeError, TypeError, UnicodeDecodeError) as err:  # a value of the wrong type in the header / JSON
+        raise ValueError(f"{path}: cannot read the model's architecture, vocabulary and template: "
+                         f"{type(err).__name__}: {err}") from None
 
 
 def _gguf_facts(path: Path) -> ModelFacts:
@@ -206,7 +210,8 @@ SUPPORT: tuple[Piece, ...] = (
     Piece("the vLLM engine", (("engine.kind", "vllm"),), frozenset({"llama", "gemma3_text"})),
     Piece("the aligned trainer: model/aligned.py emulates llama.cpp's llama graph",
           (("algorithm.precision_alignment", "engine"),), _LLAMA),
-    Piece("the LoRA GGUF adapter for llama.cpp", (("lora.enabled", True), ("engine.kind", "llamacpp")), _LLAMA),
+    Piece("LoRA: PEFT adapters in the trainer (tested on llama only) and the GGUF adapter for llama.cpp",
+          (("lora.enabled", True),), _LLAMA),
 )
 
 
@@ -228,6 +233,6 @@ def check_support(facts: ModelFacts, config) -> None:
     choice = config.model.chat_template
     if choice == "auto" and not facts.has_chat_template:
         raise ValueError(f"model.chat_template = {choice!r} uses the model's own chat template, and model.path "
-                         f"{spec!r} has none; set model.chat_template to {describe_choices()}")
+                         f"{spec!r} has none; set model.chat_template to 'gemma', 'plain' or a .jinja file")
     if choice not in CHAT_TEMPLATES and not Path(choice).expanduser().is_file():
         raise FileNotFoundError(f"model.chat_template {choice!r} does not exist; {describe_choices()}")

@@ -67,7 +67,7 @@ def chat_template_source(tokenizer, choice: str) -> str | None:
     if choice == "auto":
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model.chat_template = 'auto' uses the model's own chat template, and this model has "
-                             f"none; set model.chat_template to {describe_choices()}")
+                             "none; set model.chat_template to 'gemma', 'plain' or a .jinja file")
         return None
     if choice == "gemma":
         for marker in _GEMMA_MARKERS:
@@ -105,6 +105,9 @@ def use_chat_template(tokenizer, choice: str) -> None:
         raise ValueError(f"model.chat_template {choice!r} does not render a system + user prompt: {err}") from None
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     bos = tokenizer.bos_token_id
+    if not [i for i in ids if i != bos]:
+        tokenizer.chat_template = previous
+        raise ValueError(f"model.chat_template {choice!r} renders a system + user prompt as no tokens (beyond BOS)")
     if bos is not None and ids[:2] == [bos, bos]:
         tokenizer.chat_template = previous
         raise ValueError(f"model.chat_template {choice!r} puts BOS before the prompt twice (the template writes it "

@@ -185,6 +185,10 @@ def _metadata_writer(config: Any, ftype: gguf.LlamaFileType, template_gguf: Path
         st = template.stat()
         fields, tensor_order = _template_fields(str(template.resolve()), st.st_size, st.st_mtime_ns, spec.name)
         skip_prefixes = ("GGUF.", f"{spec.name}.")
+        n_tokens = next((len(value) for key, value, _, _ in fields if key == "tokenizer.ggml.tokens"), None)
+        if n_tokens is not None and n_tokens != config.vocab_size:  # llama.cpp would refuse the file, unexplained
+            raise ValueError(f"template {template} has {n_tokens} tokens; the model's vocab_size is "
+                             f"{config.vocab_size}")
         for key, value, vtype, sub_type in fields:  # template order; arch keys take their template slot
             if key in arch_kv:
                 v = arch_kv.pop(key)
