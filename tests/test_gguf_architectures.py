@@ -67,7 +67,7 @@ def _tiny_gemma(**overrides):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **overrides})).eval()
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **overrides})).float().eval()  # float32 whatever the default dtype
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 1:  # Gemma initialises its norms to 0: make the shift visible

@@ -51,12 +51,23 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], config, folder: Path) -
     tensors = {name: value.detach().to(torch.float32).contiguous() for name, value in state_dict.items()
                if not (tied and name == "lm_head.weight")}
     settings = config.to_dict()
-    settings["architectures"] = settings.get("architectures") or ["LlamaForCausalLM"]
+    settings["architectures"] = settings.get("architectures") or [_causal_lm_class(config)]
     settings["dtype"] = settings["torch_dtype"] = "float32"
     (folder / "config.json").write_text(json.dumps(settings, indent=1, default=str))
     with atomic_path(folder / WEIGHTS) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     return folder
+
+
+def _causal_lm_class(config) -> str:
+    """The transformers causal-LM class name of `config` (config.architectures is empty on a config built in code):
+    vLLM picks its model implementation by that name. Raises ValueError for a config no causal LM class takes."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)].__name__
+    except KeyError:
+        raise ValueError(f"no transformers causal LM for a {type(config).__name__}") from None
 
 
 class VLLMProcessEngine(ProcessEngine):
