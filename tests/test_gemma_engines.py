@@ -107,3 +107,30 @@ def test_the_aligned_trainer_refuses_gemma3(tiny_gemma):
 
     with pytest.raises(ValueError, match="emulates llama.cpp's llama graph; this model is gemma3_text"):
         align_model(tiny_gemma, "q8_0")
+
+
+@pytest.mark.slow
+def test_the_real_gemma3_270m_in_llama_cpp_at_f32_gives_the_trainers_logprobs(tmp_path):
+    """gemma-3-270m (model.path 'gemma3-270m', the trainer's float32 weights) exported at f32 with the shipped GGUF
+    as template: llama.cpp's log-probs (f32 KV cache) of an English text, teacher-forced, within 2e-2 nats of the
+    trainer's at every token (measured 2.1e-3 max here, 4.5e-3 on another text; ggml's float16 GELU table is most
+    of the gap)."""
+    from nearpolicy.engines.gguf.export import export_gguf
+    from nearpolicy.engines.llamacpp import LlamaCppEngine
+    from nearpolicy.model.load import load_policy, resolve_model
+
+    torch.set_num_threads(2)
+    model, tokenizer = load_policy("gemma3-270m")
+    model.eval()
+    path = export_gguf(model.state_dict(), model.config, tmp_path / "gemma-f32.gguf", "f32",
+                       resolve_model("gemma3-270m").path).path
+    ids = tokenizer("The river flows past the old mill, where the miller counts his sacks of grain and the children "
+                    "watch the wheel turn slowly in the cold morning light.")["input_ids"]
+    engine = LlamaCppEngine(path, max_context=128, max_parallel_sequences=1, threads=2, kv_cache="f32",
+                            adaptive_threads=False)
+    try:
+        got = np.asarray(engine.score(ids[:4], ids[4:], T1))
+    finally:
+        engine.close()
+    want = trainer_logprobs(model, ids[:4], ids[4:], T1)
+    assert len(ids) > 24 and np.abs(got - want).max() < 2e-2, float(np.abs(got - want).max())
