@@ -260,3 +260,20 @@ def test_a_group_of_one_is_accepted_where_something_else_gives_the_signal():
     assert pure.algorithm.group_size == 1
     with pytest.raises(ConfigError, match="algorithm.group_size = 1"):  # the task's part would be 0
         load_config(None, ["algorithm.group_size=1", "distill.teacher=smollm2", "distill.reward_weight=0.5"])
+
+
+@pytest.mark.parametrize("example, message", [
+    ([{"role": "assistant", "content": "Answer: 1"}], r"task.example\[0\] is assistant"),
+    ([{"role": "user", "content": "1 + 1 ="}], "must end with an assistant turn"),
+    ([{"role": "user", "content": "1 + 1 ="}, {"role": "user", "content": "2 + 2 ="}], r"task.example\[1\] is user"),
+    ([{"role": "user", "content": " "}, {"role": "assistant", "content": "Answer: 2"}], r"task.example\[0\] has empty"),
+    ([{"role": "tool", "content": "2"}], r"task.example\[0\] must be \{role, content\}"),
+])
+def test_task_examples_must_be_alternating_worked_turns(example, message, tmp_path):
+    items = ", ".join(f'{{role = "{m["role"]}", content = "{m["content"]}"}}' for m in example)
+    path = tmp_path / "config.toml"
+    path.write_text(f"[task]\nexample = [{items}]\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    path.write_text('[task]\nexample = [{role = "user", content = "1 + 1 ="}, {role = "assistant", content = "2"}]\n')
+    assert [m["role"] for m in load_config(path).task.example] == ["user", "assistant"]

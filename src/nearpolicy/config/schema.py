@@ -17,7 +17,7 @@ from nearpolicy.config.checks import (ConfigError, aggregation_fits_loss, apply_
 from nearpolicy.config.engine import EngineConfig
 from nearpolicy.config.lora import LoraConfig, check_lora
 from nearpolicy.config.sections import (DistillConfig, EpisodeConfig, MipuConfig, RolloutConfig, Section,
-                                        TurnCreditFields, check_messages)
+                                        TurnCreditFields, check_worked_turns)
 from nearpolicy.ops.advantages import ADVANTAGES
 from nearpolicy.ops.correction_presets import CORRECTIONS, PRESET_FIELDS, correction_spec
 from nearpolicy.ops.data_policies import DATA_POLICIES, DataPolicyParams
@@ -158,8 +158,7 @@ class TaskConfig(Section):
     """Your own reward, "module:function" or "path/file.py:function", replacing the built-in answer check of either
     kind: f(prompt, completion, answer, entry) -> float in [0, 1] (tasks/python_reward.py; README)."""
 
-    _example_roles = field_validator("example")(lambda cls, value: check_messages(value, "task.example",
-                                                                                 ("user", "assistant")))
+    _example_turns = field_validator("example")(lambda cls, value: check_worked_turns(value, "task.example"))
     def resolved_options(self) -> dict[str, Any]:
         if self.options is not None:
             return dict(self.options)

@@ -147,6 +147,21 @@ def check_messages(value: list[dict[str, str]], key: str, roles: tuple[str, ...]
     return value
 
 
+def check_worked_turns(value: list[dict[str, str]], key: str) -> list[dict[str, str]]:
+    """`value` unchanged when it is worked examples a chat template takes: {role, content} messages with non-empty
+    content, user and assistant alternating from a user turn, ending with an assistant turn (the question follows as
+    the next user turn); else ValueError naming `key`."""
+    check_messages(value, key, ("user", "assistant"))
+    for i, message in enumerate(value):
+        if not str(message["content"]).strip():
+            raise ValueError(f"{key}[{i}] has empty content")
+        if message["role"] != ("user", "assistant")[i % 2]:
+            raise ValueError(f"{key} must alternate user, assistant from a user turn; {key}[{i}] is {message['role']}")
+    if len(value) % 2:
+        raise ValueError(f"{key} must end with an assistant turn (the question follows as the next user turn)")
+    return value
+
+
 class EpisodeConfig(Section):
     """Multi-turn tool-use episodes (rollouts/episodes.py, docs/tools.md): the model's turns, tool calls run through
     an MCP stdio server, tool results inserted as token ids; trained on the model's tokens only. The synchronous
