@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_contract import max_gap, trainer_logprobs
 
 from nearpolicy.engines.hf import HFEngine
-from nearpolicy.ops.logprobs import transformed_log_softmax
 from nearpolicy.types import GenerationRequest, SamplingParams
 
 # head_dim 64: the smallest vLLM's CPU attention kernel takes; sliding window 8 so the window is crossed
@@ -40,20 +40,6 @@ def tiny_gemma():
     return model
 
 
-@torch.no_grad()
-def trainer_logprobs(model, prompt: list[int], completion: list[int], sampling: SamplingParams) -> np.ndarray:
-    """The trainer's log-probs [T] (transformers fp32 full forward) of `completion` under the sampling transform."""
-    ids = torch.tensor([list(prompt) + list(completion)])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
-    logp = transformed_log_softmax(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).numpy()
-
-
-def _max_gap(model, rollouts, sampling) -> float:
-    return max(float(np.abs(trainer_logprobs(model, r.prompt_ids, r.completion_ids, sampling)
-                            - np.asarray(r.rollout_logprobs)).max()) for r in rollouts)
-
-
 def _requests() -> list[GenerationRequest]:
     return [GenerationRequest(0, tuple(PROMPT), 4), GenerationRequest(1, tuple(PROMPT[:5]), 4)]
 
@@ -63,7 +49,7 @@ def test_hf_engine_rollout_logprobs_on_gemma3_are_the_trainers(tiny_gemma, sampl
     engine = HFEngine(tiny_gemma, STOP_IDS, dtype="fp32")
     rollouts = engine.generate(_requests(), sampling, seed=3)
     assert len(rollouts) == 8 and max(len(r.completion_ids) for r in rollouts) > TINY["sliding_window"]
-    assert _max_gap(tiny_gemma, rollouts, sampling) < 1e-4
+    assert max_gap(tiny_gemma, rollouts, sampling) < 1e-4
     for r in rollouts:
         assert not set(r.completion_ids[:-1]) & STOP_IDS
 
@@ -97,7 +83,7 @@ def test_vllm_rollout_logprobs_on_gemma3_are_the_trainers(tiny_gemma, sampling, 
     finally:
         engine.close()
     assert len(rollouts) == 8 and max(len(r.completion_ids) for r in rollouts) > TINY["sliding_window"]
-    assert _max_gap(tiny_gemma, rollouts, sampling) < 1e-4
+    assert max_gap(tiny_gemma, rollouts, sampling) < 1e-4
 
 
 def test_the_aligned_trainer_refuses_gemma3(tiny_gemma):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_contract import max_gap, trainer_logprobs
 
 from nearpolicy.engines.process import CRASH_HOOK, EngineDied
 from nearpolicy.engines.vllm_child import sample_seeds
 from nearpolicy.engines.vllm_engine import VLLMProcessEngine, vllm_python
-from nearpolicy.ops.logprobs import transformed_log_softmax
 from nearpolicy.types import GenerationRequest, SamplingParams
 
 VLLM_TINY = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -54,20 +54,6 @@ def engine(model, tmp_path_factory):
     eng.close()
 
 
-@torch.no_grad()
-def trainer_logprobs(model, prompt: list[int], completion: list[int], sampling: SamplingParams) -> np.ndarray:
-    """The trainer's log-probs [T] (transformers fp32, full forward) of `completion` under the sampling transform."""
-    ids = torch.tensor([list(prompt) + list(completion)])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
-    logp = transformed_log_softmax(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).numpy()
-
-
-def _max_gap(model, rollouts, sampling) -> float:
-    return max(float(np.abs(trainer_logprobs(model, r.prompt_ids, r.completion_ids, sampling)
-                            - np.asarray(r.rollout_logprobs)).max()) for r in rollouts)
-
-
 def _perturbed(model, scale: float, seed: int) -> dict[str, torch.Tensor]:
     """Every weight of `model` moved by scale x N(0, 1) (in place: the trainer's new weights); its state dict."""
     g = torch.Generator().manual_seed(seed)
@@ -102,7 +88,7 @@ def test_rollout_logprobs_are_the_trainers(engine, model, sampling):
     requests = [GenerationRequest(0, tuple(PROMPT), 4), GenerationRequest(1, tuple(PROMPT[:4]), 4)]
     rollouts = engine.generate(requests, sampling, seed=3)
     assert [(r.group_id, r.sample_index) for r in rollouts] == [(g, k) for g in (0, 1) for k in range(4)]
-    assert _max_gap(model, rollouts, sampling) < 1e-4
+    assert max_gap(model, rollouts, sampling) < 1e-4
     for r in rollouts:
         assert r.versions == [0] * len(r.completion_ids) and r.prompt_ids == list(requests[r.group_id].prompt_ids)
         stopped = r.completion_ids[-1] in STOP_IDS
@@ -156,7 +142,7 @@ def test_sync_after_a_full_perturbation_of_every_weight(engine, tmp_path):
     assert max(abs(a - b) for a, b in zip(before, trainer_logprobs(trainer, PROMPT, [5, 6, 7, 8], T1))) > 0.1
     engine.update_weights(new, 7)
     rollouts = engine.generate([GenerationRequest(0, tuple(PROMPT), 4)], T07, seed=1)
-    assert _max_gap(trainer, rollouts, T07) < 1e-4
+    assert max_gap(trainer, rollouts, T07) < 1e-4
     assert all(r.versions == [7] * len(r.completion_ids) for r in rollouts) and engine.version == 7
     got = np.asarray(engine.score(PROMPT, [5, 6, 7, 8], T1))
     assert np.abs(got - trainer_logprobs(trainer, PROMPT, [5, 6, 7, 8], T1)).max() < 1e-4
@@ -174,10 +160,10 @@ def test_the_tied_head_trap_matters(engine):
     engine.update_weights(new, 1, unsafe_skip=("tied_head",))
     prompt = (1, 504, 8, 9690)  # a prompt the engine has not seen: the prefix cache plays no part
     stale = engine.generate([GenerationRequest(0, prompt, 4)], T1, seed=0)
-    assert _max_gap(trainer, stale, T1) > 0.05
+    assert max_gap(trainer, stale, T1) > 0.05
     engine.update_weights(new, 2)
     fixed = engine.generate([GenerationRequest(0, prompt, 4)], T1, seed=0)
-    assert _max_gap(trainer, fixed, T1) < 1e-4
+    assert max_gap(trainer, fixed, T1) < 1e-4
 
 
 @pytest.mark.slow
@@ -191,12 +177,12 @@ def test_the_prefix_cache_trap_matters(engine):
     new = _perturbed(trainer, 0.05, seed=3)
     engine.update_weights(new, 1, unsafe_skip=("prefix_cache",))
     stale = engine.generate([GenerationRequest(0, prompt, 2)], T1, seed=0)
-    assert _max_gap(trainer, stale, T1) > 0.05
+    assert max_gap(trainer, stale, T1) > 0.05
     engine.update_weights(trainer.state_dict(), 0)
     engine.generate([GenerationRequest(0, prompt, 2)], T1, seed=0)
     engine.update_weights(new, 2)
     fixed = engine.generate([GenerationRequest(0, prompt, 2)], T1, seed=0)
-    assert _max_gap(trainer, fixed, T1) < 1e-4
+    assert max_gap(trainer, fixed, T1) < 1e-4
 
 
 @pytest.mark.slow
