@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from nearpolicy.engines.gguf.architectures import SUPPORTED_MODEL_TYPES as GGUF_MODEL_TYPES
+from nearpolicy.model.aligned import ALIGNED_ARCHITECTURES
 from nearpolicy.model.templates import CHAT_TEMPLATES, describe_choices
 
 _HF_NAMES = {"gemma3": "gemma3_text"}  # GGUF general.architecture -> transformers model_type, where they differ
@@ -202,14 +203,14 @@ class Piece:
                             for key, value in self.when)
 
 
-_LLAMA = frozenset({"llama"})
+_LLAMA = frozenset({"llama"})  # LoRA: PEFT in the trainer is tested on llama only
 SUPPORT: tuple[Piece, ...] = (
     Piece("the llama.cpp engine, its GGUF export and in-place sync", (("engine.kind", "llamacpp"),),
           frozenset(GGUF_MODEL_TYPES)),
     Piece("the hf engine", (("engine.kind", "hf"),), None),
     Piece("the vLLM engine", (("engine.kind", "vllm"),), frozenset({"llama", "gemma3_text"})),
     Piece("the aligned trainer: model/aligned.py emulates llama.cpp's llama graph",
-          (("algorithm.precision_alignment", "engine"),), _LLAMA),
+          (("algorithm.precision_alignment", "engine"),), frozenset(ALIGNED_ARCHITECTURES)),
     Piece("LoRA: PEFT adapters in the trainer (tested on llama only) and the GGUF adapter for llama.cpp",
           (("lora.enabled", True),), _LLAMA),
 )
