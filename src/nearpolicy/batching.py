@@ -103,21 +103,26 @@ def collate(rollouts: list[Rollout], pad_id: int, vocab_size: int, shared_prompt
                       observation, turns)
 
 
-def packs_completions(steps: torch.Tensor, n_prompt: int, hidden: int) -> bool:
+def packs_completions(steps: torch.Tensor, n_prompt: int, hidden: int, window: int | None = None) -> bool:
     """Whether a prompt group's completions run packed into one row (model/policy.py: no padding, but every packed token's
     attention spans all N packed tokens) rather than as G rows padded to the longest. steps [G] int64: tokens each
     row runs after the prompt. Picks the cheaper by a per-layer cost of about 12 hidden^2 multiply-adds per token
-    (projections, MLP) and 2 hidden per query-key pair (scores, values): tokens x 6 hidden + pairs."""
+    (projections, MLP) and 2 hidden per query-key pair (scores, values): tokens x 6 hidden + pairs. Never packed when
+    a row reaches past a sliding attention `window` (n_prompt + its steps > window): the packed 4-D mask has no window
+    and the sliding layers' cache keeps only the last window - 1 prompt tokens; padded rows get transformers' masks."""
     n, rows, width = int(steps.sum()), len(steps), int(steps.max())
+    if window is not None and n_prompt + width > window:
+        return False
     return n * (6 * hidden + n_prompt + n) <= rows * width * (6 * hidden + n_prompt + width)
 
 
-def forward_tokens(batch: TokenBatch, micro: int, hidden: int, pack: bool | None = None) -> tuple[int, int]:
+def forward_tokens(batch: TokenBatch, micro: int, hidden: int, pack: bool | None = None,
+                   window: int | None = None) -> tuple[int, int]:
     """(tokens computed, of which padding) when the batch's rows run through a model of width `hidden` in
     micro-batches of `micro` rows: without prompt_group every row is padded to its micro-batch's longest prompt +
     completion; with it each prompt group of a micro-batch runs its prompt once and its completions (all but the
     last token, which predicts nothing) packed (no padding) or padded to the group's longest (`pack`; None: as
-    packs_completions picks). Counts only; the model is not run."""
+    packs_completions picks under the sliding `window`). Counts only; the model is not run."""
     computed = padding = 0
     for start in range(0, len(batch), micro):
         part = batch.select(slice(start, start + micro))
@@ -129,7 +134,7 @@ def forward_tokens(batch: TokenBatch, micro: int, hidden: int, pack: bool | None
         for g in torch.unique(part.prompt_group):
             rows = part.prompt_group == g
             n_prompt, steps = int(part.prompt_lengths[rows][0]), (part.completion_lengths[rows] - 1).clamp_min(0)
-            packed = packs_completions(steps, n_prompt, hidden) if pack is None else pack
+            packed = packs_completions(steps, n_prompt, hidden, window) if pack is None else pack
             run = int(steps.sum()) if packed else int(steps.max()) * len(steps)
             computed += n_prompt + run
             padding += run - int(steps.sum())

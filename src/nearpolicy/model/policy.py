@@ -10,6 +10,10 @@ Two ways to run a TokenBatch through the model, equal to float32 rounding:
   exact, and the gradient of all G completions flows back through the one prefix. Source: "Shared-Prompt Flash
   Attention for Efficient RL Training with Large Rollouts and Long Contexts" (DualKV): N(P+R) tokens repacked
   into P + NR.
+
+The LM head then runs only at the n positions that predict a completion token. Above FULL_LOGITS_BUDGET of [n, V]
+logits (Gemma 3's V = 262144: 1 MiB a row) and without top-k / top-p, it runs chunked (ops/chunked_head.py): the
+log-prob and entropy come from [R, C] blocks of logits, recomputed in the backward, never the [n, V] tensor.
 """
 
 from __future__ import annotations
@@ -17,9 +21,16 @@ from __future__ import annotations
 import torch
 
 from nearpolicy.batching import TokenBatch, packs_completions
-from nearpolicy.ops.logprobs import token_logprobs_and_entropy
+from nearpolicy.ops.chunked_head import chunked_logprobs_and_entropy
+from nearpolicy.ops.logprobs import keeps_every_token, token_logprobs_and_entropy
 from nearpolicy.ops.observation_loss import raw_logprobs
 from nearpolicy.types import SamplingParams
+
+# float32 bytes of the [n, V] logits above which sequence_logprobs runs the chunked head (ops/chunked_head.py): it
+# holds [R, C] blocks instead, at the price of recomputing the logits in the backward (one more n x H x V matmul).
+# SmolLM2 (V = 49152) at 8 x 130 completion tokens: 200 MiB, unchunked; Gemma 3 (V = 262144): 1 GiB, chunked
+# (docs/bench/lm-head.md).
+FULL_LOGITS_BUDGET = 256 * 2**20
 
 
 def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParams,
@@ -28,21 +39,74 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Sampl
     entropy [B, T] of that distribution (detached unless `entropy_grad`). Padding positions hold 0 (no logits are
     computed there): mask them. Runs the shared-prompt path when batch.prompt_group is
     set (module docstring), else the padded path; that needs a transformers decoder whose base model takes `cache`,
-    `position_ids` and a 4-D additive attention mask (sdpa or eager attention)."""
-    logits, valid = completion_logits(model, batch)
-    picked, entropy = token_logprobs_and_entropy(
-        logits, batch.completion_ids[valid], sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
-    )
+    `position_ids` and a 4-D additive attention mask (sdpa or eager attention). The LM head runs chunked, never
+    holding the [n, V] logits, when they would pass FULL_LOGITS_BUDGET (uses_chunked_head). Raises ValueError for
+    a head transform it does not know (head_softcap)."""
+    hidden, valid = completion_hidden(model, batch)
+    ids = batch.completion_ids[valid]
+    if uses_chunked_head(model, len(ids), sampling):
+        picked, entropy = _chunked(model, hidden, ids, sampling.temperature, entropy_grad)
+    else:
+        picked, entropy = token_logprobs_and_entropy(
+            head_logits(model, hidden), ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
+        )
     return _scatter(picked, valid), _scatter(entropy, valid)
+
+
+def completion_hidden(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final hidden states [n, H] in the model's dtype, grad if enabled; valid [B, T] bool): at the n positions that
+    predict a completion token (valid: t < the row's completion length), padded or shared-prompt path."""
+    hidden = _padded_hidden(model, batch) if batch.prompt_group is None else _shared_hidden(model, batch)
+    valid = torch.arange(batch.completion_ids.shape[1]) < batch.completion_lengths[:, None]  # [B, T]
+    return hidden[valid], valid
 
 
 def completion_logits(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw logits [n, V] float32, grad if enabled, valid [B, T] bool): the logits at the n positions that predict
     a completion token (valid: t < the row's completion length), padded or shared-prompt path. The LM head and the
-    log-softmax over the vocabulary never run at prompt positions nor at the padding of shorter completions."""
-    hidden = _padded_hidden(model, batch) if batch.prompt_group is None else _shared_hidden(model, batch)
-    valid = torch.arange(batch.completion_ids.shape[1]) < batch.completion_lengths[:, None]  # [B, T]
-    return model.get_output_embeddings()(hidden[valid]).float(), valid
+    log-softmax over the vocabulary never run at prompt positions nor at the padding of shorter completions.
+    Materialises [n, V]: sequence_logprobs avoids it where it can (uses_chunked_head)."""
+    hidden, valid = completion_hidden(model, batch)
+    return head_logits(model, hidden), valid
+
+
+def head_softcap(config) -> float | None:
+    """The final-logit softcap c of `config` (Gemma 2/3's final_logit_softcapping: z -> c tanh(z / c), applied by
+    their ForCausalLM after the LM head), or None. Raises ValueError for the other output-logit transforms
+    transformers models apply after their head (Granite's logits_scaling, Cohere's logit_scale), which the trainer's
+    head does not reproduce."""
+    for key, neutral in (("logits_scaling", 1.0), ("logit_scale", 1.0)):
+        value = getattr(config, key, None)
+        if value is not None and float(value) != neutral:
+            raise ValueError(f"config.{key} = {value}: an output-logit transform model/policy.py does not apply")
+    cap = getattr(config, "final_logit_softcapping", None)
+    return None if cap is None else float(cap)
+
+
+def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits [n, V] float32 of final hidden states [n, H], as model(...).logits has them: the output embedding,
+    then the final-logit softcap where the config sets one (head_softcap, whose ValueError it raises)."""
+    cap = head_softcap(model.config)
+    logits = model.get_output_embeddings()(hidden).float()
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def uses_chunked_head(model: torch.nn.Module, rows: int, sampling: SamplingParams) -> bool:
+    """True when sequence_logprobs runs ops/chunked_head.py for `rows` logit rows: their [rows, V] float32 logits
+    would pass FULL_LOGITS_BUDGET, the transform keeps every token (no top-k / top-p: the chunked node has no kept
+    set) and the output embedding is a plain nn.Linear without hooks (a LoRA-wrapped or quantized head runs its own
+    forward, unchunked)."""
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0]
+    return (rows * vocab * 4 > FULL_LOGITS_BUDGET and keeps_every_token(sampling.top_k, sampling.top_p, vocab)
+            and type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks))
+
+
+def _chunked(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, temperature: float,
+             entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    head = model.get_output_embeddings()
+    return chunked_logprobs_and_entropy(hidden, head.weight, head.bias, ids, temperature,
+                                        head_softcap(model.config), entropy_grad)
 
 
 def _scatter(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -55,14 +119,21 @@ def sequence_logprobs_with_raw(model: torch.nn.Module, batch: TokenBatch, sampli
     """sequence_logprobs' (logprobs [B, T], entropy [B, T]) plus the raw log-probs [B, T] (log softmax of the
     untransformed logits, nats, with grad; 0 at padding) of the completion ids from the same forward pass: what
     ECHO's observation loss (ops/observation_loss.py) needs. Under an identity transform (temperature 1, no top-k /
-    top-p) the raw log-probs are the logprobs tensor itself."""
-    logits, valid = completion_logits(model, batch)
+    top-p) the raw log-probs are the logprobs tensor itself; otherwise the chunked head (uses_chunked_head) runs a
+    second time at temperature 1. Raises as sequence_logprobs."""
+    hidden, valid = completion_hidden(model, batch)
     ids = batch.completion_ids[valid]
-    picked, entropy = token_logprobs_and_entropy(
-        logits, ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
-    )
-    identity = sampling.temperature == 1.0 and sampling.top_p >= 1.0 and not 0 < sampling.top_k < logits.shape[-1]
-    raw = picked if identity else raw_logprobs(logits, ids)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    identity = sampling.temperature == 1.0 and keeps_every_token(sampling.top_k, sampling.top_p, vocab)
+    if uses_chunked_head(model, len(ids), sampling):
+        picked, entropy = _chunked(model, hidden, ids, sampling.temperature, entropy_grad)
+        raw = picked if identity else _chunked(model, hidden, ids, 1.0, False)[0]
+    else:
+        logits = head_logits(model, hidden)
+        picked, entropy = token_logprobs_and_entropy(
+            logits, ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
+        )
+        raw = picked if identity else raw_logprobs(logits, ids)
     return _scatter(picked, valid), _scatter(entropy, valid), _scatter(raw, valid)
 
 
@@ -85,6 +156,13 @@ def _shared_hidden(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     return torch.cat(parts)[torch.argsort(torch.cat(order))]
 
 
+def sliding_window(config) -> int | None:
+    """`config`'s sliding attention window (Gemma 3, Mistral: a query attends to keys less than this many positions
+    back), None for a model without one."""
+    window = getattr(config, "sliding_window", None)
+    return None if window is None or getattr(config, "use_sliding_window", True) is False else int(window)
+
+
 def _group_hidden(model: torch.nn.Module, batch: TokenBatch, rows: torch.Tensor) -> torch.Tensor:
     """Hidden states [G, T, H] of one prompt group's rows (identical prompts of P tokens): the prompt [1, P] once,
     then the completions on its key/value cache (not detached), packed or padded (batching.packs_completions)."""
@@ -97,7 +175,8 @@ def _group_hidden(model: torch.nn.Module, batch: TokenBatch, rows: torch.Tensor)
     states = prefix.last_hidden_state[0, -1:]  # [1, H]: the prompt's last position, predicts completion token 0
     starts = torch.zeros(len(rows), dtype=torch.long)
     if int(steps.sum()) > 0:
-        run = _packed if packs_completions(steps, n_prompt, model.config.hidden_size) else _padded_rows
+        packed = packs_completions(steps, n_prompt, model.config.hidden_size, sliding_window(model.config))
+        run = _packed if packed else _padded_rows
         completion_states, starts = run(model, cache, batch.completion_ids[rows], steps, n_prompt)
         states = torch.cat([states, completion_states])
     t = torch.arange(batch.completion_ids.shape[1])
