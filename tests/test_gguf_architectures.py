@@ -326,3 +326,36 @@ def test_a_template_whose_vocabulary_is_not_the_models_is_refused(tiny_gemma, te
     with pytest.raises(ValueError, match=f"has {VOCAB} tokens; the model's vocab_size is {VOCAB + 1}"):
         export_gguf(tiny_gemma.state_dict(), config, tmp_path / "x.gguf", "f32", template)
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_gemma3_engine_in_its_own_process_is_probed_and_its_crash_is_contained(tiny_gemma_f32, tmp_path,
+                                                                                  monkeypatch) -> None:
+    """The startup probe and the crash containment of engines/process.py on a gemma3 GGUF: the same results as in
+    process, a SIGSEGV in the rollout reported with its signal and phase, one in the probe failing the start."""
+    from nearpolicy.engines.llamacpp import EngineSpec
+    from nearpolicy.engines.process import CRASH_HOOK, EngineDied, ProcessEngine
+    from nearpolicy.types import GenerationRequest
+
+    prompt, sampling = [2, 17, 300, 41, 7, 9], SamplingParams(1.0, 1.0, 0, 4)
+    spec = EngineSpec(str(tiny_gemma_f32), 0, 64, 4, 1, "f32", False, False)
+
+    def start(crash: str | None) -> ProcessEngine:
+        if crash:
+            monkeypatch.setenv(CRASH_HOOK, crash)
+        return ProcessEngine(spec, "llamacpp:f32", log_path=tmp_path / "engine.log", probe_prompt=prompt)
+
+    local, remote = spec.open(), start(None)
+    try:
+        requests = [GenerationRequest(0, tuple(prompt), 4)]
+        a, b = local.generate(requests, sampling, seed=3), remote.generate(requests, sampling, seed=3)
+        assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+        assert [r.rollout_logprobs for r in a] == [r.rollout_logprobs for r in b]
+    finally:
+        local.close()
+        remote.close()
+    crashing = start("generate:1:SIGSEGV")
+    with pytest.raises(EngineDied, match=r"^engine llamacpp:f32 died with SIGSEGV during rollout"):
+        crashing.generate([GenerationRequest(0, tuple(prompt), 2)], sampling, 0)
+    crashing.close()
+    with pytest.raises(EngineDied, match=r"^engine llamacpp:f32 died with SIGSEGV during startup probe"):
+        start("probe:1")
