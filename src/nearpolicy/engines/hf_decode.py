@@ -21,6 +21,7 @@ and stay in the batch).
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -248,8 +249,10 @@ class TransformersStepper:
             prompts, rows = [prompts[r] for r in rows.tolist()], torch.arange(len(rows))
         ids, valid, positions = left_padded(prompts, pad_id)
         self.attention = valid.long()
+        # only the last position's logits: all P of them are P MiB a row in float32 at Gemma 3's 262k vocabulary
+        last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         out = self.model(input_ids=ids, attention_mask=self.attention, position_ids=positions, cache=self.cache,
-                         use_cache=True)
+                         use_cache=True, **last)
         self.positions = positions[:, -1]
         if self.can_drop_rows:
             self.keep(rows)
