@@ -84,6 +84,15 @@ def tiny_gguf_factory(
     return make
 
 
+def pytest_collection_finish(session):
+    """Float32 again once every module is imported: the float64 math modules set the default at import (for their
+    module-level constants), and module- or session-scoped fixtures, set up before _default_dtype runs, would
+    otherwise build their models in float64 under whichever of those modules was collected last."""
+    import torch
+
+    torch.set_default_dtype(torch.float32)
+
+
 @pytest.fixture(autouse=True)
 def _default_dtype(request):
     """Each test runs with its module's DEFAULT_DTYPE (float32 unless the module asks for float64), so the float64
