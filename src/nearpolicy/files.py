@@ -10,6 +10,7 @@ with a temporary folder renamed into place."""
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,9 +21,11 @@ from pathlib import Path
 def atomic_path(path: Path, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path` (hidden, unique) to write; on a clean exit it is renamed over `path`
     (with `durable`: fsynced before, the folder fsynced after, so the rename survives a power cut); on an exception
-    it is deleted and `path` keeps its old contents. Raises what the write or the rename raises (OSError: a full
+    it is deleted and `path` keeps its old contents. The new file gets the target's mode where it exists, else the
+    mode a plain open() would give under the umask. Raises what the write or the rename raises (OSError: a full
     disk, a missing folder)."""
     path = Path(path)
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else plain_mode(folder=False)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
@@ -31,12 +34,32 @@ def atomic_path(path: Path, durable: bool = False) -> Iterator[Path]:
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # mkstemp's file is 0600: give the mode a plain open() would (or the target's own)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
         fsync_folder(path.parent)
+
+
+def plain_mode(folder: bool) -> int:
+    """The permission bits a plain open() (folder: mkdir()) gives under this process's umask; mkstemp and mkdtemp give
+    0600 / 0700, which a file or folder published by rename would otherwise keep."""
+    return (0o777 if folder else 0o666) & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask: from /proc where Linux has it (no change to process state), else set and restored."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from nearpolicy.files import plain_mode
 from nearpolicy.model.catalog import PACKAGED_MODELS, packaged_gguf
 
 DEFAULT_SPEC = "smollm2"
@@ -178,6 +179,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    os.chmod(tmp, plain_mode(folder=True))  # mkdtemp's 0700 would stay with the published folder
     try:
         parent, name = str(Path(gguf_path).parent), Path(gguf_path).name
         loaded = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name, dtype=torch.float32)
