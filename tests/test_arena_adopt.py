@@ -98,7 +98,8 @@ def test_a_dry_run_reports_what_would_be_adopted_and_writes_nothing(tmp_path, ot
     assert main(["arena", str(spec.path), "--out", str(spec.out), "--adopt", str(other), "--dry-run"]) == 0
     captured = capsys.readouterr()
     assert captured.err.count(": would adopt from ") == 3 and ": adopted from " not in captured.err
-    assert captured.out.count("pending") == 12  # the listing: nothing changed
+    assert captured.out.count("pending") == 9 and captured.out.count(" adopt ") == 3  # listed, not counted to run
+    assert "12 selected, 9 to run" in captured.out
     assert not spec.out.exists() and _tree_hash(other) == before
 
 

@@ -69,14 +69,16 @@ def arena_command(args: argparse.Namespace) -> int:
         return 2
     try:
         spec = load_arena(args.arena, args.out)
+        adoptable: list[str] = []
         if args.adopt:
             from nearpolicy.arena.adopt import adopt_into
 
-            adopt_into(spec, args.adopt, args.only, args.dry_run, lambda msg: print(msg, file=sys.stderr, flush=True))
+            adoptable = adopt_into(spec, args.adopt, args.only, args.dry_run,
+                                   lambda msg: print(msg, file=sys.stderr, flush=True))
         if args.dry_run:
             from nearpolicy.arena.runner import dry_run
 
-            print(dry_run(spec, args.only, args.workers), end="")
+            print(dry_run(spec, args.only, args.workers, set(adoptable)), end="")
             return 0
         if args.page:
             from nearpolicy.arena.page import write_page

@@ -240,13 +240,14 @@ def _count(items, noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
-def dry_run(spec: ArenaSpec, only: str | None = None, workers: int = 1) -> str:
+def dry_run(spec: ArenaSpec, only: str | None = None, workers: int = 1, adopted: set[str] = frozenset()) -> str:
     """The cells `only` selects (seed-major under the sequential rule), each with its status (from a stored state, if
     any) and every override it gets (arena.set, source, correction, [[override]]s, in the order applied), the
     estimated budget and, with arena.sequential = true, the rule (K looks, each look's level and multipliers, the
     target MDE) and the fewest and most cells it runs. With `workers` > 1: the warning a run would give when they
     oversubscribe the CPUs (workers.oversubscribed), and the time divided by the cells at a time (min(workers, cells
-    to run); under the sequential rule seed by seed: min(workers, the seed's cells to run)). Writes nothing. Raises
+    to run); under the sequential rule seed by seed: min(workers, the seed's cells to run)). Cells in `adopted` (those
+    --adopt --dry-run would adopt) show as "adopt" and are not counted to run. Writes nothing. Raises
     ArenaError for a changed arena or an --only matching nothing."""
     from nearpolicy.arena.workers import oversubscribed
 
@@ -256,7 +257,7 @@ def dry_run(spec: ArenaSpec, only: str | None = None, workers: int = 1) -> str:
     if rule is not None:
         chosen = seed_major(spec, chosen)
     waiting = [c for c in chosen if rule is not None and state.cells[c.id].status == "skipped"]
-    todo = [c for c in chosen if state.cells[c.id].status not in FINAL and c not in waiting]
+    todo = [c for c in chosen if state.cells[c.id].status not in FINAL and c not in waiting and c.id not in adopted]
     steps = sum(cell_units(c)[0] for c in todo)
     samples = sum(cell_units(c)[0] * cell_units(c)[2] for c in todo)
     groups = [[c for c in todo if c.seed == seed] for seed in spec.seeds] if rule is not None else [todo]
@@ -277,7 +278,8 @@ def dry_run(spec: ArenaSpec, only: str | None = None, workers: int = 1) -> str:
         lines.append(f"# sequential: at least {first} of the {len(chosen)} selected cells run (the first "
                      f"{rule.min_seeds} seeds), at most all {len(chosen)}")
     for cell in chosen:
-        lines.append(f"{cell.id:<40} {state.cells[cell.id].status:<9} {' '.join(cell.sets)}")
+        status = "adopt" if cell.id in adopted else state.cells[cell.id].status
+        lines.append(f"{cell.id:<40} {status:<9} {' '.join(cell.sets)}")
     basis = "from the done cells" if measured else "arena.step_seconds, eval_seconds, start_seconds"
     parallel = "" if workers == 1 else f" with {workers} workers" + (
         f" (at most {at_once} cells at a time)" if at_once < workers else "")
