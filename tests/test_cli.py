@@ -58,6 +58,13 @@ def test_two_step_run_then_resume(tiny_gguf_factory, tmp_path):
         assert row["rollout/decode_calls"] * row["rollout/decode_batch_mean"] == pytest.approx(
             4 * (row["response/length_mean"] - 1), rel=1e-12)
         assert row["rollout/decode_occupancy"] == pytest.approx(row["rollout/decode_batch_mean"] / 64, rel=1e-12)
+        # the roofline (engines/roofline.py): per call the larger of two terms, so between the larger of their sums
+        # and their total; its share is of generate's time, inside the step's time/rollout; rates measured once
+        bound, terms = row["rollout/roofline_s"], (row["rollout/roofline_compute_s"], row["rollout/roofline_memory_s"])
+        assert max(terms) * (1 - 1e-12) <= bound <= sum(terms) * (1 + 1e-12) and bound > 0
+        assert 0 < bound / row["rollout/roofline_share"] <= row["time/rollout"]
+        assert [row[k] for k in ("rollout/roofline_peak_gflops", "rollout/roofline_bandwidth_gbs")] == [
+            rows[1]["rollout/roofline_peak_gflops"], rows[1]["rollout/roofline_bandwidth_gbs"]]
     assert (run / "checkpoints" / "step_000002" / "model.safetensors").exists()
     plan = json.loads((run / "plan.json").read_text())  # working_dir: where relative paths are read on --resume RUN_DIR
     assert plan["samples_per_step"] == 4 and plan["working_dir"] == str(tmp_path.resolve())

@@ -33,8 +33,8 @@ def test_doctor_reports_this_machine_and_probes_the_engine_in_child_processes(tm
     text = "\n".join(lines)
     assert code == 0, text
     names = [line[7:].split()[0] for line in lines]
-    assert names == ["cpu", "cpu", "load", "torch", "gemm", "gemm", "memory", "llama-cpp-python", "probe", "probe",
-                     "disk", "chromium"]
+    assert names == ["cpu", "cpu", "load", "torch", "gemm", "gemm", "memory", "roofline", "llama-cpp-python", "probe",
+                     "probe", "disk", "chromium"]
     assert "AVX2 = 1" in text and "AMX_INT8 = 1" not in text  # the pinned build: AVX2 on, AMX compiled out
     probes = [line for line in lines if "probe extra_buffers=" in line]
     assert len(probes) == 2 and all(line.startswith("[ok  ]") and "decoded q4_1 in a child process" in line
@@ -56,9 +56,9 @@ def test_memory_bandwidth_counts_stream_bytes(monkeypatch):
     1 s, so 1 MiB float32 arrays read as 2 x 2^20 and 3 x 2^20 bytes/s."""
     import itertools
 
-    import nearpolicy.doctor as doctor_module
+    import nearpolicy.engines.roofline as roofline_module  # the probe's home, shared with a run's start
 
     ticks = itertools.count()
-    monkeypatch.setattr(doctor_module.time, "perf_counter", lambda: float(next(ticks)))
-    bw = doctor_module.memory_bandwidth(mib=1, repeats=2)
+    monkeypatch.setattr(roofline_module.time, "perf_counter", lambda: float(next(ticks)))
+    bw = roofline_module.memory_bandwidth(mib=1, repeats=2)
     assert bw == {"copy": pytest.approx(2 * 2**20 / 1e9, rel=1e-12), "triad": pytest.approx(3 * 2**20 / 1e9, rel=1e-12)}

@@ -133,10 +133,21 @@ def test_out_of_vocabulary_prompt_is_rejected(tiny_gguf_factory):
 
 
 def test_decode_counts_are_generates_decode_calls_after_the_prefill(tiny_gguf_factory):
-    """Limits of 2 and 4 tokens: the prefill gives both their first token, then decode calls hold [both], [the
-    second], [the second]: 3 calls, 4 live sequences, 3 x 4 slots. With one slot, each is its own wave."""
-    from nearpolicy.engines.base import DecodeCounts
+    """Limits of 2 and 4 tokens after prompts of 6 and 5: the prefill gives both their first token, then decode calls
+    hold [both], [the second], [the second]: 3 calls, 4 live sequences, 3 x 4 slots; each call's KV positions
+    attended are prompt + tokens so far: 7 + 6, then 5 + 2, then 5 + 3. With one slot, each is its own wave. The
+    counts carry the tiny model's roofline shape (conftest.TINY_CONFIG, an f32 GGUF and f32 cache)."""
+    from conftest import TINY_CONFIG
 
+    from nearpolicy.engines.base import DecodeCounts
+    from nearpolicy.engines.roofline import DecodeShape, DecodeStep
+
+    c = TINY_CONFIG
+    d, kv_width = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    layer = 2 * d * d + 2 * d * kv_width + 3 * d * c["intermediate_size"] + 2 * d  # q o, k v, mlp, two norms
+    n = c["vocab_size"] * d + c["num_hidden_layers"] * layer + d  # tied embedding once, final norm
+    shape = DecodeShape(parameters=n, layers=2, query_width=d, weight_bytes=4.0 * n,
+                        kv_bytes_per_token=2 * 2 * kv_width * 4)  # K and V, 2 layers, float32
     sampling = SamplingParams(1.0, 1.0, 0, 8)
     requests = [GenerationRequest(0, PROMPTS[0], 1, max_new_tokens=2), GenerationRequest(1, PROMPTS[1], 1, max_new_tokens=4)]
     engine = _engine(tiny_gguf_factory("f32"), parallel=4)
@@ -145,14 +156,17 @@ def test_decode_counts_are_generates_decode_calls_after_the_prefill(tiny_gguf_fa
     engine.score(list(PROMPTS[0]), [5, 6], sampling)
     assert [(r.finish_reason, len(r.completion_ids)) for r in out] == [("length", 2), ("length", 4)]
     counts = engine.take_decode_counts()
-    assert counts == DecodeCounts(calls=3, sequences=4, slots=12)
+    assert counts == DecodeCounts(calls=3, sequences=4, slots=12, shape=shape,
+                                  steps=(DecodeStep(2, 7 + 6), DecodeStep(1, 5 + 2), DecodeStep(1, 5 + 3)))
     assert counts.metrics() == {"rollout/decode_calls": 3.0, "rollout/decode_batch_mean": 4 / 3,
                                 "rollout/decode_occupancy": 1 / 3}
-    assert engine.take_decode_counts() == DecodeCounts()  # taken: the count restarts
+    assert engine.take_decode_counts() == DecodeCounts(shape=shape)  # taken: the count restarts
     engine.close()
     engine = _engine(tiny_gguf_factory("f32"), parallel=1)
     engine.generate(requests, sampling, seed=0)
-    assert engine.take_decode_counts() == DecodeCounts(calls=1 + 3, sequences=4, slots=4)  # every call full
+    assert engine.take_decode_counts() == DecodeCounts(  # every call full; the second prompt's prefill is no call
+        calls=1 + 3, sequences=4, slots=4, shape=shape,
+        steps=(DecodeStep(1, 6 + 1), DecodeStep(1, 5 + 1), DecodeStep(1, 5 + 2), DecodeStep(1, 5 + 3)))
     engine.close()
 
 
@@ -161,6 +175,7 @@ def test_decode_counts_without_a_call_and_for_an_engine_that_does_not_count():
 
     assert DecodeCounts().metrics() == {"rollout/decode_calls": 0.0}  # no batch to average
     assert DecodeCounts(2, 3, 8) + DecodeCounts(1, 1, 4) == DecodeCounts(3, 4, 12)
+    assert DecodeCounts(2, 3, 8).roofline_steps() is None  # calls without shapes (hf): no roofline, no guess
     assert take_decode_counts(object()) is None  # vllm, fakes: no rollout/decode_* metric
 
 

@@ -1,7 +1,9 @@
 """`nearpolicy doctor`: what a bug report needs, measured on this machine: CPU model and SIMD flags, llama.cpp's
 compiled features and a startup probe of the shipped GGUF with llama.cpp's extra buffers off and on (each in its own
-process, so a crash is reported, not suffered), torch's version, threads, GEMM GFLOP/s and memory bandwidth (the two
-rates of engines/roofline.py), free disk for checkpoints, and the Chromium the report test drives. Exit code 1 when a required piece is missing."""
+process, so a crash is reported, not suffered), torch's version, threads, GEMM GFLOP/s and memory bandwidth (their
+probes live in engines/roofline.py, shared with a run's start; the "roofline rates" line gives the two rates the
+rollout's bound uses), free disk for checkpoints, and the Chromium the report test drives. Exit code 1 when a required
+piece is missing."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from nearpolicy.engines.roofline import gemm_gflops, measure_rates, memory_bandwidth
 
 SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16")
 CHECKPOINT_GB = 1.6  # fp32 SmolLM2-135M + AdamW moments, one checkpoint (README)
@@ -46,38 +50,6 @@ def cpu_model(path: str = "/proc/cpuinfo") -> str:
         return cpu_facts(Path(path).read_text())[0]
     except OSError:
         return platform.processor() or "unknown"
-
-
-def gemm_gflops(dtype, n: int = 512, seconds: float = 0.5) -> float:
-    """Sustained n x n x n matmul throughput of torch in `dtype` (GFLOP/s, 2 n^3 flops per product)."""
-    import torch
-
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        count += 1
-    return 2 * n**3 * count / (time.perf_counter() - t0) / 1e9
-
-
-def memory_bandwidth(mib: int = 128, repeats: int = 5) -> dict[str, float]:
-    """STREAM-like memory bandwidth of torch on its threads, GB/s (1e9 bytes/s), best of `repeats`, over float32
-    arrays of `mib` MiB each, far larger than a last-level cache: {"copy": c = a, counted as 2 arrays moved; "triad":
-    a = b + s c, 3 arrays} (McCalpin's STREAM counting; write-allocate traffic not counted)."""
-    import torch
-
-    n = mib * 2**20 // 4
-    a, b, c = torch.ones(n), torch.full((n,), 2.0), torch.zeros(n)  # written once: the pages are mapped before timing
-    best = {"copy": float("inf"), "triad": float("inf")}
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        c.copy_(a)
-        t1 = time.perf_counter()
-        torch.add(b, c, alpha=3.0, out=a)
-        t2 = time.perf_counter()
-        best = {"copy": min(best["copy"], t1 - t0), "triad": min(best["triad"], t2 - t1)}
-    return {"copy": 2 * n * 4 / best["copy"] / 1e9, "triad": 3 * n * 4 / best["triad"] / 1e9}
 
 
 def engine_probe(extra_buffers: bool) -> Check:
@@ -120,12 +92,14 @@ def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
     out = [Check("cpu", f"{model} ({platform.machine()})"),
            Check("cpu flags", simd, ok=platform.machine() != "x86_64" or "avx2" in flags),
            machine_load(os.getloadavg()[0], os.cpu_count() or 1),
-           Check("torch", f"{torch.__version__}, {torch.get_num_threads()} threads"),
-           Check("gemm fp32", f"{gemm_gflops(torch.float32):.0f} GFLOP/s (512^3, torch)"),
-           Check("gemm bf16", f"{gemm_gflops(torch.bfloat16):.0f} GFLOP/s (512^3, torch)")]
-    bw = memory_bandwidth()
-    out.append(Check("memory bandwidth", f"copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s (128 MiB float32 "
-                     "arrays, torch, best of 5)"))
+           Check("torch", f"{torch.__version__}, {torch.get_num_threads()} threads")]
+    fp32, bw = gemm_gflops(torch.float32), memory_bandwidth()
+    out += [Check("gemm fp32", f"{fp32:.0f} GFLOP/s (512^3, torch)"),
+            Check("gemm bf16", f"{gemm_gflops(torch.bfloat16):.0f} GFLOP/s (512^3, torch)"),
+            Check("memory bandwidth", f"copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s (128 MiB float32 "
+                  "arrays, torch, best of 5)"),
+            Check("roofline rates", measure_rates().describe() + " (the rollout's bound, rollout/roofline_s: "
+                  "engines/roofline.measure_rates, as a run's start measures them)")]
     try:
         import llama_cpp
 

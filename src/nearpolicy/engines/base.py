@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from nearpolicy.engines.roofline import DecodeShape, DecodeStep
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
 LLAMA_MAX_SEQ = 256
@@ -81,14 +82,20 @@ def file_id(path: Path | str) -> tuple[int, int]:
 class DecodeCounts:
     """How full an engine's sampling decode calls were: `calls` decode calls after the prefill (each one token for
     every live sequence), `sequences` the live sequences summed over them, `slots` the engine's
-    max_parallel_sequences summed over them (what they could have held). Counts add over calls and replicas."""
+    max_parallel_sequences summed over them (what they could have held). Counts add over calls and replicas.
+    An engine that also records each call's shape for the roofline (engines/roofline.py; the llama.cpp engine) gives
+    `steps`, one DecodeStep per call (its live sequences and their KV positions attended in all), and `shape`, its
+    model as the roofline sees it; `roofline_steps` says whether every counted call has one."""
 
     calls: int = 0
     sequences: int = 0
     slots: int = 0
+    steps: tuple[DecodeStep, ...] = ()
+    shape: DecodeShape | None = None
 
     def __add__(self, other: "DecodeCounts") -> "DecodeCounts":
-        return DecodeCounts(self.calls + other.calls, self.sequences + other.sequences, self.slots + other.slots)
+        return DecodeCounts(self.calls + other.calls, self.sequences + other.sequences, self.slots + other.slots,
+                            self.steps + other.steps, self.shape or other.shape)
 
     def metrics(self) -> dict[str, float]:
         """rollout/decode_calls; with at least one call, rollout/decode_batch_mean (live sequences per call) and
@@ -97,6 +104,13 @@ class DecodeCounts:
             return {"rollout/decode_calls": 0.0}
         return {"rollout/decode_calls": float(self.calls), "rollout/decode_batch_mean": self.sequences / self.calls,
                 "rollout/decode_occupancy": self.sequences / max(self.slots, 1)}
+
+    def roofline_steps(self) -> tuple[DecodeShape, tuple[DecodeStep, ...]] | None:
+        """(shape, steps) when the roofline of these calls is known: a shape and one step per counted call; None for
+        an engine that counts calls only (hf), never a guess."""
+        if self.shape is None or len(self.steps) != self.calls:
+            return None
+        return self.shape, self.steps
 
 
 def take_decode_counts(engine) -> DecodeCounts | None:

@@ -11,14 +11,16 @@ before each decode step (`KVContext.pack`). Measured: docs/results.md sec. 2."""
 
 from __future__ import annotations
 
+import ctypes
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from nearpolicy.engines.base import LLAMA_MAX_SEQ, EngineError
+from nearpolicy.engines.base import LLAMA_MAX_SEQ, DecodeCounts, EngineError
 from nearpolicy.engines.kv_reuse import Cached, plan_slots
+from nearpolicy.engines.roofline import DecodeShape, DecodeStep, kv_bytes_per_token
 from nearpolicy.types import GenerationRequest
 
 
@@ -314,3 +316,33 @@ def _prefill_tails(ctx: KVContext, seqs: list[Seq], shared: int) -> np.ndarray:
         p = s.request.prompt_ids
         entries += [(t, i, slot, i == len(p) - 1) for i, t in enumerate(p) if i >= shared]
     return ctx.decode(entries)
+
+
+KV_VALUE_BYTES = {"f32": 4.0, "f16": 2.0}  # bytes per cached K or V value, by engine.kv_cache
+
+
+def decode_shape(lib, model, kv_cache: str) -> DecodeShape | None:
+    """The roofline's view of a loaded llama.cpp model (engines/roofline.py): llama.cpp's parameter count and tensor
+    bytes (a tied embedding is one tensor: counted once, as the LM head), layers, query width = heads x the key
+    length (`<arch>.attention.key_length`, else n_embd / heads), and the `kv_cache` type's bytes per token position
+    (every layer's full length: a sliding-window layer is overcounted). None for a cache type KV_VALUE_BYTES lacks."""
+    if kv_cache not in KV_VALUE_BYTES:
+        return None
+    layers, heads, kv_heads = (lib.llama_model_n_layer(model), lib.llama_model_n_head(model),
+                               lib.llama_model_n_head_kv(model))
+    head_dim = lib.llama_model_n_embd(model) // max(heads, 1)
+    buf = ctypes.create_string_buffer(64)
+    if lib.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf)) > 0:
+        key = buf.value + b".attention.key_length"
+        if lib.llama_model_meta_val_str(model, key, buf, len(buf)) > 0:
+            head_dim = int(buf.value)
+    return DecodeShape(int(lib.llama_model_n_params(model)), layers, heads * head_dim,
+                       float(lib.llama_model_size(model)), kv_bytes_per_token(layers, kv_heads, head_dim,
+                                                                              KV_VALUE_BYTES[kv_cache]))
+
+
+def decode_call(live: list[Seq], slots: int) -> DecodeCounts:
+    """The DecodeCounts of one decode call of `live` sequences (`slots`: the engine's max_parallel_sequences), its
+    DecodeStep included: each live sequence's token at next_pos attends over next_pos + 1 KV positions (its prompt and
+    tokens so far). The engine adds its model's DecodeShape when the counts are taken."""
+    return DecodeCounts(1, len(live), slots, (DecodeStep(len(live), sum(s.next_pos + 1 for s in live)),))

@@ -19,7 +19,7 @@ import numpy as np
 from nearpolicy.engines.base import LLAMA_MAX_SEQ, DecodeCounts, EngineError, LoraAdapter, RewrittenGGUF, file_id
 from nearpolicy.engines.cpu_load import fit_threads, free_cores
 from nearpolicy.engines.llama_lib import eog_ids, is_eog, load_lib, set_log_file
-from nearpolicy.engines.llama_context import KVContext, Seq, greedy_continuous
+from nearpolicy.engines.llama_context import KVContext, Seq, decode_call, decode_shape, greedy_continuous
 from nearpolicy.engines.sampling import sample_rows, transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
@@ -105,6 +105,7 @@ class LlamaCppEngine:
         self._model = model
         self._vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self._vocab)
+        self.decode_shape = decode_shape(lib, model, self.kv_cache)  # the roofline's view of the model
         try:
             self._sampler = self._context(self.max_parallel, self._cells_for(self._sampling_cells), self.unified_kv)
         except EngineError:
@@ -306,7 +307,7 @@ class LlamaCppEngine:
                 break
             logits = ctx.decode_step(live, admitted, finished)
             if live:
-                self._decode_counts += DecodeCounts(1, len(live), self.max_parallel)
+                self._decode_counts += decode_call(live, self.max_parallel)
             live += admitted
             started += admitted
         ctx.keep([s for s in started if s.seq_id >= 0])  # finished and interrupted: their caches stay
@@ -336,9 +337,10 @@ class LlamaCppEngine:
         return [self._to_rollout(Seq(r, k, 0, finish="interrupted")) for k in range(r.n)]
 
     def take_decode_counts(self) -> DecodeCounts:
-        """generate's decode calls after the prefill since the last take (engines/base.DecodeCounts); then zero."""
+        """generate's decode calls after the prefill since the last take (engines/base.DecodeCounts), each call's
+        DecodeStep and the model's DecodeShape with them (the rollout's roofline); then zero."""
         counts, self._decode_counts = self._decode_counts, DecodeCounts()
-        return counts
+        return replace(counts, shape=self.decode_shape)
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Argmax completions (stop token included when emitted), for evaluation: in the greedy context, one KV

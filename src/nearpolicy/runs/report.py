@@ -23,7 +23,7 @@ from matplotlib.ticker import MaxNLocator
 
 from nearpolicy.runs.folder import RunFolderError, finite_points, is_finite_number, read_json_object, read_metrics
 from nearpolicy.runs.samples import read_samples
-from nearpolicy.runs.summary import describe_run
+from nearpolicy.runs.summary import describe_run, roofline_text
 
 NOT_RECORDED = "not recorded in this run"
 LINESTYLES = ("-", "--", ":", "-.")
@@ -212,7 +212,8 @@ def _missing_notes(panel: Panel, runs: Sequence[Run]) -> list[str]:
 # -- header table and page -------------------------------------------------------------------------------------------
 def run_summary(run: Run) -> dict[str, str]:
     """The header row of a run: name, model, what the run is (summary.describe_run: engine precision, update, KL,
-    effective correction, proximal), steps, final and peak eval accuracy, median k3, total time."""
+    effective correction, proximal), steps, final and peak eval accuracy, median k3, total time, and the rollout's
+    share of its roofline bound (summary.roofline_text)."""
     section = lambda name: run.config.get(name) if isinstance(run.config.get(name), dict) else {}  # noqa: E731
     model = section("model").get("path") or Path(str(run.plan.get("model_file", ""))).name
     steps = max(row["step"] for row in run.rows)
@@ -229,6 +230,7 @@ def run_summary(run: Run) -> dict[str, str]:
         "peak eval accuracy": f"{peak[1]:.3f} (step {peak[0]})" if peak else NOT_RECORDED,
         "median k3 (discrepancy)": f"{statistics.median(k3):.3g} nats" if k3 else NOT_RECORDED,
         "total time (sum of step times)": f"{seconds / 60:.1f} min" if seconds else NOT_RECORDED,
+        "rollout vs roofline bound": roofline_text(run.rows) or NOT_RECORDED,
     }
 
 

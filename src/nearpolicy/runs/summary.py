@@ -1,4 +1,5 @@
-"""Markdown summary of a run folder's metrics.jsonl: eval accuracy, mismatch over the run, step timings."""
+"""Markdown summary of a run folder's metrics.jsonl: eval accuracy, mismatch over the run, step timings, and the
+rollout's share of its roofline bound where the engine counts its decode calls."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ MISMATCH_KEYS = ["mismatch/k1", "mismatch/k3", "mismatch/chi2", "mismatch/ess", 
                  "mismatch/mean_abs_logprob_diff", "mismatch/prob_corr", "mismatch/frac_ratio_outside_0.5_2",
                  "mismatch/seq_log_ppl_diff", "mismatch/seq_log_ppl_abs_diff", "mismatch/seq_ppl_ratio",
                  "mismatch/seq_chi2"]  # per sequence: verl's rollout_corr names (docs/math.md sec. 22)
+ROOFLINE_KEYS = ["rollout/roofline_share", "rollout/roofline_s"]  # engines/roofline.py; engines that count calls
 TIME_KEYS = ["time/rollout", "time/score", "time/recompute", "time/update", "time/sync", "time/eval", "time/step",
              "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"]
 
@@ -20,6 +22,24 @@ def _stats(rows: list[dict], key: str) -> tuple[float, float, float, float] | No
     if not values:
         return None
     return min(values), statistics.median(values), statistics.fmean(values), max(values)
+
+
+def roofline_text(steps: list[dict]) -> str | None:
+    """The rollout against its roofline bound (engines/roofline.py), or None when no step records
+    rollout/roofline_share (an engine that does not count its decode calls' shapes): the share's mean over the steps
+    that record it, its min and max, and the two rates the bound used (each distinct value: a resumed run measured
+    them again), e.g. "42.0% of the bound (mean of 3 steps; min 40.1%, max 44.0%); GEMM peak 13.8 GFLOP/s, memory
+    bandwidth 17.3 GB/s"."""
+    shares = [value for _, value in finite_points(steps, "rollout/roofline_share")]
+    if not shares:
+        return None
+    rates = []
+    for key, unit, name in (("rollout/roofline_peak_gflops", "GFLOP/s", "GEMM peak"),
+                            ("rollout/roofline_bandwidth_gbs", "GB/s", "memory bandwidth")):
+        values = dict.fromkeys(f"{value:.1f}" for _, value in finite_points(steps, key))
+        rates.append(f"{name} {', '.join(values) or 'not recorded'} {unit}")
+    return (f"{100 * statistics.fmean(shares):.1f}% of the bound (mean of {len(shares)} steps; min "
+            f"{100 * min(shares):.1f}%, max {100 * max(shares):.1f}%); " + ", ".join(rates))
 
 
 def effective_correction(plan: dict) -> str | None:
@@ -96,11 +116,14 @@ def summarize(run_dir: Path, warn=None) -> str:
     out += ["", "| metric | min | median | mean | max |", "|---|---|---|---|---|"]
     recorded = {key for row in steps for key in row}
     for key in ["reward/mean", "reward/unscorable", "reward/timeouts", "response/length_mean", "entropy",
-                *MISMATCH_KEYS, *sorted(k for k in recorded if k.startswith("correction/")), *TIME_KEYS]:
+                *MISMATCH_KEYS, *sorted(k for k in recorded if k.startswith("correction/")), *TIME_KEYS,
+                *ROOFLINE_KEYS]:
         st = _stats(steps, key)
         if st is not None:
             out.append(f"| {key} | " + " | ".join(f"{v:.4g}" for v in st) + " |")
     train_seconds = sum(seconds for _, seconds in finite_points(steps, "time/step"))
     train_seconds += sum(seconds for _, seconds in finite_points([r for r in rows if r.get("step") == 0], "time/eval"))
     out += ["", f"Training time (sum of step times, evals included): {train_seconds / 60:.1f} min."]
+    if (roofline := roofline_text(steps)) is not None:
+        out.append(f"Rollout against its roofline bound (rollout/roofline_share, engines/roofline.py): {roofline}.")
     return "\n".join(out)
