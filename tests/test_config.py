@@ -172,7 +172,7 @@ def test_every_key_has_a_doc_and_nearpolicy_config_prints_each_with_default_and_
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     keys = [f"{section}.{key}" for section, s in Config.model_fields.items() for key in s.annotation.model_fields]
-    assert len(keys) == 136
+    assert len(keys) == 140
     for key in keys:
         assert f"  {key} = " in out, key
     lines = out.splitlines()
@@ -190,7 +190,7 @@ def test_choice_lists_and_defaults_have_one_source():
 
     from nearpolicy.config.reference import allowed
     from nearpolicy.engines.factory import ENGINES
-    from nearpolicy.engines.gguf.export import PRECISIONS, QTYPES
+    from nearpolicy.engines.gguf.export import PRECISIONS, QTYPES, TENSOR_PRECISIONS
     from nearpolicy.engines.hf import DTYPES
     from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
     from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES
@@ -223,7 +223,7 @@ def test_choice_lists_and_defaults_have_one_source():
                 ("correction", "adaptive_mix"): ADAPTIVE_MIXES, ("correction", "center"): CENTERINGS}
     for (section, key), names in expected.items():
         assert choices(section, key) == list(names), (section, key)
-    assert tuple(QTYPES) == PRECISIONS
+    assert tuple(QTYPES) == TENSOR_PRECISIONS  # PRECISIONS adds the K-quants (tests/test_gguf_kquant.py)
     cfg, loss, sampling = Config(), PolicyLossParams(), SamplingParams()
     a, s = cfg.algorithm, cfg.sampling
     assert (a.clip_low, a.clip_high, a.dual_clip, a.kl_coef, a.kl_estimator) == (

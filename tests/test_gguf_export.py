@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nearpolicy.engines.gguf import export as gguf_export
-from nearpolicy.engines.gguf.export import PRECISIONS, QTYPES, export_gguf
+from nearpolicy.engines.gguf.export import QTYPES, TENSOR_PRECISIONS, export_gguf
 from nearpolicy.model.load import load_policy, resolve_model
 
 TOKENS = [1, 9690, 198, 2683, 314, 253, 5356, 30]
@@ -92,7 +92,7 @@ def test_llama_cpp_f32_matches_torch(tiny_model, tiny_gguf_factory) -> None:
 _BOUNDS = {"f32": (0.03, 0.003), "f16": (0.05, 0.006), "bf16": (0.3, 0.03), "q8_0": (0.5, 0.06)}
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", TENSOR_PRECISIONS)  # K-quants: tests/test_gguf_kquant.py
 def test_llama_cpp_loads_each_precision(precision: str, tiny_model, tiny_gguf_factory) -> None:
     llm = _llama(tiny_gguf_factory(precision))
     meta = llm.metadata

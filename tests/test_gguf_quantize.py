@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nearpolicy.engines.gguf import quantize as gguf_quantize
-from nearpolicy.engines.gguf.export import PRECISIONS, QTYPES
+from nearpolicy.engines.gguf.export import QTYPES, TENSOR_PRECISIONS
 
 
 def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -31,7 +31,7 @@ def route(request, monkeypatch) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("precision", [*PRECISIONS, "q5_1"])  # q5_1: in gguf_quantize's ggml set, not exported
+@pytest.mark.parametrize("precision", [*TENSOR_PRECISIONS, "q5_1"])  # q5_1: in gguf_quantize's ggml set, not exported
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threaded_quantization_gives_gguf_py_bytes(precision: str, threads: int, route: str) -> None:
     qtype = QTYPES[precision][0] if precision in QTYPES else gguf.GGMLQuantizationType[precision.upper()]

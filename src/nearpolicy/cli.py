@@ -95,10 +95,11 @@ def _registries():
     from nearpolicy.ops.data_policies import DATA_POLICIES
     from nearpolicy.ops.kl import KL_ESTIMATORS
     from nearpolicy.ops.losses import POLICY_LOSSES
+    from nearpolicy.ops.popo import REPLAY_RULES
     from nearpolicy.ops.turn_credit import TURN_CREDIT
 
     # a KL estimator's summary: its gradient
-    return ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS, TURN_CREDIT, DATA_POLICIES
+    return ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS, TURN_CREDIT, DATA_POLICIES, REPLAY_RULES
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -218,7 +219,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def _add_diagnose(sub) -> None:
-    from nearpolicy.engines.gguf.export import PRECISIONS
+    from nearpolicy.engines.gguf.export import TENSOR_PRECISIONS
 
     d = sub.add_parser("diagnose", help="measure engine/trainer mismatch of rollout configurations; admission check",
                        description="Sample responses from each candidate rollout configuration, recompute the "
@@ -240,13 +241,14 @@ def _add_diagnose(sub) -> None:
     budget.add_argument("--budget-floor-multiple", type=float, help="budget = this multiple of the noise floor's k3")
     d.add_argument("--budget-seq-ess", type=float, default=0.5,
                    help="default budget: sequence ESS >= this at sampling.max_new_tokens tokens (default 0.5)")
-    d.add_argument("--sensitivity", nargs="+", metavar="PRECISION", choices=PRECISIONS,
+    d.add_argument("--sensitivity", nargs="+", metavar="PRECISION", choices=TENSOR_PRECISIONS,
                    help="per-layer sensitivity scan at these GGUF precisions (bar chart PNG)")
     d.add_argument("--sensitivity-prompts", type=int, default=8,
                    help="prompts (x --group samples) the sensitivity scan scores by teacher forcing (default 8)")
     d.add_argument("--propose", action="store_true",
                    help="for each rejected llamacpp candidate, search the cheapest mixed-precision recipe that passes")
-    d.add_argument("--promote-to", default="f16", choices=PRECISIONS, help="precision of promoted units (default f16)")
+    d.add_argument("--promote-to", default="f16", choices=TENSOR_PRECISIONS,
+                   help="precision of promoted units (default f16)")
     from nearpolicy.diagnosis.endpoint_command import add_endpoint_arguments
 
     add_endpoint_arguments(d)

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ValidationError
 
 from nearpolicy.engines.factory import ENGINES, kind_of
+from nearpolicy.engines.gguf.kquant import KQUANTS
 from nearpolicy.ops.advantages import GROUP_RELATIVE
 from nearpolicy.ops.correction_presets import drop_replaced_preset_fields
 from nearpolicy.ops.losses import required_aggregation
@@ -153,6 +154,10 @@ def check_sections_agree(cfg) -> None:
         raise ValueError(f"algorithm.warmup_steps ({a.warmup_steps}) must be below run.steps ({cfg.run.steps}): the "
                          f"learning rate would never reach algorithm.lr (for a short run add --set "
                          f"algorithm.warmup_steps={max(cfg.run.steps - 1, 0)})")
+    if a.precision_alignment == "engine" and e.precision in KQUANTS:
+        raise ValueError(f"algorithm.precision_alignment = 'engine' emulates one GGUF type per tensor; engine.precision "
+                         f"= {e.precision!r} is a K-quant whose per-tensor mix llama.cpp chooses: use a per-tensor type "
+                         "(q8_0, q4_1, ...) or precision_alignment = 'off'")
     if a.precision_alignment == "engine" and (not kind.alignable or e.flash_attention):
         raise ValueError("algorithm.precision_alignment = 'engine' emulates llama.cpp without flash attention: set "
                          "engine.kind = 'llamacpp' and engine.flash_attention = false, or precision_alignment = 'off'")
@@ -177,6 +182,33 @@ def check_sections_agree(cfg) -> None:
         raise ValueError("mipu.max_tries > 1 shrinks an update after its optimizer steps, which the PPO-EWMA average "
                          "has already taken in: use mipu.max_tries = 1 with correction.proximal = 'ewma'")
     check_distill_fits(cfg)
+    check_popo(cfg)
+
+
+def check_popo(cfg) -> None:
+    """[popo]'s rules across sections (rollouts/replay.py; docs/math.md sec. 25): replayed tokens are stale, so the
+    update must weight them by pi_prox / mu under the PPO clip around pi_prox (correction.mode = 'decoupled', an action
+    other than 'off', mix > 0); a group-relative estimator (a constant group has no signal only there); and the
+    synchronous single-turn full-model loop it is built for. Raises ValueError naming the keys."""
+    if not cfg.popo.enabled:
+        return
+    c, spec = cfg.correction, cfg.correction.spec()
+    if spec.mode != "decoupled" or spec.action == "off" or spec.mix == 0:
+        raise ValueError(f"popo.enabled replays tokens sampled by older weights, which the update must weight by "
+                         f"pi_old / mu (decoupled importance sampling): correction.preset = {c.preset!r} gives "
+                         f"correction.mode = {spec.mode!r}, correction.action = {spec.action!r}, correction.mix = "
+                         f"{spec.mix}; use correction.mode = 'decoupled' with an action other than 'off' and mix > 0 "
+                         "(e.g. correction.preset = 'tis')")
+    if cfg.algorithm.advantage not in GROUP_RELATIVE:
+        raise ValueError(f"popo.enabled replaces the groups a group-relative estimator gives no signal; "
+                         f"algorithm.advantage = {cfg.algorithm.advantage!r} is not one: use one of "
+                         f"{', '.join(sorted(GROUP_RELATIVE))}")
+    others = {"rollout.engines >= 1": cfg.rollout.engines > 0, "episode.enabled": cfg.episode.enabled,
+              "lora.enabled": cfg.lora.enabled, "mipu.enabled": cfg.mipu.enabled, "distill.ropd": cfg.distill.ropd,
+              "distill.teacher": cfg.distill.teacher is not None}
+    if on := [name for name, set_ in others.items() if set_]:
+        raise ValueError(f"popo.enabled is not combined with {', '.join(on)} yet (built for synchronous single-turn "
+                         "rollouts of the full model): remove popo.enabled or those settings")
 
 
 def check_task(t):

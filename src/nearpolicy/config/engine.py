@@ -10,7 +10,8 @@ from pydantic import Field, StrictBool, field_validator, model_validator
 from nearpolicy.config.sections import Section
 from nearpolicy.engines.factory import ENGINES, EngineRequest, kind_of
 from nearpolicy.engines.gguf.rounding import ROUNDINGS, check_rounding
-from nearpolicy.engines.gguf.export import PRECISIONS
+from nearpolicy.engines.gguf.export import PRECISIONS, TENSOR_PRECISIONS
+from nearpolicy.engines.gguf.kquant import KQUANTS
 from nearpolicy.engines.hf import DTYPES as HF_DTYPES
 from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
 from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES
@@ -26,7 +27,10 @@ class EngineConfig(Section):
     transformers engine in this process (weights at `hf_dtype`); vllm: vLLM in its own environment and process
     (`make vllm-env`; weights at `vllm_dtype`, reloaded in place after each update; docs/vllm.md)."""
     precision: Precision = "q8_0"
-    """llamacpp: GGUF weight type the trainer's weights are exported at before each sync."""
+    """llamacpp: GGUF weight type the trainer's weights are exported at before each sync. The K-quants (q4_k_m,
+    q4_k_s, q5_k_m, q6_k) are llama.cpp's own per-tensor mixes, written by its quantizer from an f32 export at every
+    sync (several seconds each, no in-place sync; engines/gguf/kquant.py): no tensor_precision overrides, no
+    stochastic export_rounding, no precision alignment."""
     hf_dtype: Literal[tuple(HF_DTYPES)] = "fp32"
     """hf engine: dtype of the weights and KV cache."""
     vllm_dtype: Literal[tuple(VLLM_DTYPES)] = "fp32"
@@ -84,6 +88,21 @@ class EngineConfig(Section):
             check_rounding(self.export_rounding, {self.precision, *self.tensor_precision.values()})
         except ValueError as err:
             raise ValueError(f"engine.export_rounding: {err}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _kquant_is_whole_file(self) -> "EngineConfig":
+        if self.precision in KQUANTS and self.tensor_precision:
+            raise ValueError(f"engine.tensor_precision = {self.tensor_precision} with engine.precision = "
+                             f"{self.precision!r}: a K-quant is llama.cpp's own per-tensor mix "
+                             f"(engines/gguf/kquant.py) and takes no overrides; remove engine.tensor_precision or use "
+                             f"one of "
+                             f"{', '.join(TENSOR_PRECISIONS)}")
+        for selector, precision in self.tensor_precision.items():
+            if precision in KQUANTS:
+                raise ValueError(f"engine.tensor_precision[{selector!r}] = {precision!r}: a K-quant is a whole-file "
+                                 f"llama.cpp quantization, not a per-tensor type; per-tensor types: "
+                                 f"{', '.join(TENSOR_PRECISIONS)}")
         return self
 
     @field_validator("tensor_precision")

@@ -7,6 +7,7 @@ from pydantic import Field, StrictBool, field_validator, model_validator
 
 from nearpolicy.config.sections import Section
 from nearpolicy.engines.factory import ENGINES, kind_of
+from nearpolicy.engines.gguf.kquant import KQUANTS
 from nearpolicy.engines.gguf.lora_adapter import LLAMA_TARGETS
 
 
@@ -68,7 +69,8 @@ def check_lora(cfg) -> None:
     others = {"rollout.engines >= 1": cfg.rollout.engines > 0, "episode.enabled": cfg.episode.enabled,
               "algorithm.precision_alignment = 'engine'": cfg.algorithm.precision_alignment == "engine",
               "mipu.enabled": cfg.mipu.enabled, "distill.ropd": cfg.distill.ropd,
-              "correction.proximal = 'ewma'": cfg.correction.proximal == "ewma"}
+              "correction.proximal = 'ewma'": cfg.correction.proximal == "ewma",
+              f"engine.precision = {cfg.engine.precision!r} (a K-quant)": cfg.engine.precision in KQUANTS}
     if on := [name for name, set_ in others.items() if set_]:
         raise ValueError(f"[lora] is not combined with {', '.join(on)} yet (docs/lora.md, 'Not done'): remove [lora] "
                          "or those settings")

@@ -16,6 +16,7 @@ from nearpolicy.config.checks import (ConfigError, aggregation_fits_loss, apply_
                                       describe_errors, parse_override, read_toml, registered)
 from nearpolicy.config.engine import EngineConfig
 from nearpolicy.config.lora import LoraConfig, check_lora
+from nearpolicy.config.popo import PopoConfig
 from nearpolicy.config.sections import (DistillConfig, EpisodeConfig, MipuConfig, RolloutConfig, Section,
                                         TurnCreditFields, check_worked_turns)
 from nearpolicy.ops.advantages import ADVANTAGES
@@ -358,6 +359,8 @@ class Config(Section):
     """[mipu] keep an update only when the engine's policy improves (MIPU)."""
     lora: LoraConfig = LoraConfig(enabled=False)
     """[lora] train a LoRA adapter on the engine's frozen base (docs/lora.md); no [lora] section: full fine-tuning."""
+    popo: PopoConfig = PopoConfig()
+    """[popo] replay effective groups in place of constant-reward ones (POPO)."""
     logging: LoggingConfig = LoggingConfig()
     """[logging] metrics, evals, checkpoints."""
 

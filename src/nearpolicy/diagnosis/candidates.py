@@ -2,13 +2,17 @@
 
     ENGINE:PRECISION[,option=value ...]
 
-ENGINE:PRECISION is `llamacpp:<gguf type>` (f32 f16 bf16 q8_0 q5_0 q4_0 q4_1 mxfp4), `hf:<dtype>` (fp32, bf16) or
+ENGINE:PRECISION is `llamacpp:<gguf type>` (f32 f16 bf16 q8_0 q5_0 q4_0 q4_1 mxfp4, or one of llama.cpp's K-quant
+mixes q4_k_m q4_k_s q5_k_m q6_k, engines/gguf/kquant.py), `hf:<dtype>` (fp32, bf16) or
 `vllm:<dtype>` (fp32, bf16; vLLM in its own environment, `make vllm-env`).
 Options: `kv_cache=f16|f32` and `flash_attention=true|false` (llamacpp), `temperature=`, `top_p=`, `top_k=`
 (sampling, replacing the config's), `weights_only=true` (llamacpp: every weight is rounded exactly as this
 candidate would store it, then run with f32 kernels: the weight-quantization error without the activation
 quantization of llama.cpp's quantized dot products), and per-tensor precision overrides
 `<selector>=<gguf type>` (engines/gguf/precision_map.py: embeddings, output, attention, mlp, blk.N, blk.N-M, globs).
+A K-quant takes neither per-tensor overrides (llama.cpp picks each tensor's type) nor `weights_only` (its per-tensor
+types exist only in the whole file llama.cpp writes, which measure.engine_state_dict does not read back); both are
+refused by name, as is a K-quant named as an override's type.
 Example: `llamacpp:q4_1,blk.0-2=f16,kv_cache=f32`."""
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from nearpolicy.engines.factory import ENGINES
-from nearpolicy.engines.gguf.export import PRECISIONS
+from nearpolicy.engines.gguf.export import TENSOR_PRECISIONS
+from nearpolicy.engines.gguf.kquant import KQUANTS
 from nearpolicy.engines.gguf.precision_map import describe, validate_selector
 from nearpolicy.engines.llamacpp import KV_CACHE_TYPES
 from nearpolicy.types import SamplingParams
@@ -86,7 +91,10 @@ def parse_candidate(text: str) -> RolloutCandidate:
             fields["kv_cache"] = value
         elif key in ("flash_attention", "weights_only") and value in ("true", "false") and key in honours:
             fields[key] = value == "true"
-        elif value in PRECISIONS and "tensor_precision" in honours:
+        elif value in KQUANTS and "tensor_precision" in honours:
+            raise ValueError(f"candidate {text!r}: {key}={value}: a K-quant is a whole-file llama.cpp quantization, "
+                             f"not a per-tensor type; per-tensor types: {', '.join(TENSOR_PRECISIONS)}")
+        elif value in TENSOR_PRECISIONS and "tensor_precision" in honours:
             try:
                 validate_selector(key)
             except ValueError as err:
@@ -95,7 +103,12 @@ def parse_candidate(text: str) -> RolloutCandidate:
         else:
             raise ValueError(f"candidate {text!r}: cannot use option {option!r} (keys: kv_cache, flash_attention, "
                              f"weights_only, {', '.join(_SAMPLING_KEYS)} or a tensor selector; GGUF types: "
-                             f"{', '.join(PRECISIONS)})")
+                             f"{', '.join(TENSOR_PRECISIONS)})")
+    if precision in KQUANTS and (overrides or fields.get("weights_only")):
+        refused = ", ".join([f"{k}={v}" for k, v in overrides]
+                            + ["weights_only=true"] * bool(fields.get("weights_only")))
+        raise ValueError(f"candidate {text!r}: {refused} cannot apply to the K-quant {precision!r}: llama.cpp's "
+                         "quantizer picks each tensor's type in the whole file (engines/gguf/kquant.py)")
     candidate = RolloutCandidate(**fields, tensor_precision=tuple(overrides), sampling=sampling)
     try:
         candidate.sampling_params(SamplingParams())  # validates the sampling values now

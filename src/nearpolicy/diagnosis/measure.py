@@ -133,12 +133,14 @@ def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samp
 def aligned_logprobs(ctx: DiagnoseContext, candidate: RolloutCandidate, batch, sampling: SamplingParams):
     """The precision-aligned trainer's log-probs [B, T] (float32, no grad) of the batch's tokens against a llama.cpp
     candidate (model/aligned.py: its weight types, activation rounding and KV cache), or None where alignment does not
-    apply (other engines, weights_only, flash attention, an architecture model/aligned.py does not emulate).
+    apply (other engines, weights_only, flash attention, an architecture model/aligned.py does not emulate, a K-quant).
     ctx.model is restored afterwards."""
+    from nearpolicy.engines.gguf.export import TENSOR_PRECISIONS
     from nearpolicy.model.aligned import ALIGNED_ARCHITECTURES, align_model
 
     if (not kind_of(candidate.engine).alignable or candidate.weights_only or candidate.flash_attention
-            or ctx.model.config.model_type not in ALIGNED_ARCHITECTURES):
+            or ctx.model.config.model_type not in ALIGNED_ARCHITECTURES
+            or candidate.precision not in TENSOR_PRECISIONS):  # a K-quant's per-tensor mix is llama.cpp's choice
         return None
 
     with align_model(ctx.model, candidate.precision, candidate.tensor_precision, candidate.kv_cache):

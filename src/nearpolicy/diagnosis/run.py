@@ -19,6 +19,7 @@ from nearpolicy.diagnosis.measure import CandidateResult, DiagnoseContext, measu
 from nearpolicy.diagnosis.plots import position_chart, sensitivity_chart
 from nearpolicy.diagnosis.sensitivity import reference_samples, scan
 from nearpolicy.engines.factory import ENGINES
+from nearpolicy.engines.gguf.export import TENSOR_PRECISIONS
 from nearpolicy.model.load import load_model_weights
 from nearpolicy.runs.folder import write_json
 from nearpolicy.files import write_atomically
@@ -95,7 +96,8 @@ def _diagnose(cfg: Config, settings: DiagnoseSettings, ctx: DiagnoseContext, flo
     recipes = []
     if settings.propose:
         for c, ok in zip(candidates, verdicts):
-            if not ok and "tensor_precision" in ENGINES[c.engine].options and not c.tensor_precision:
+            if (not ok and "tensor_precision" in ENGINES[c.engine].options and not c.tensor_precision
+                    and c.precision in TENSOR_PRECISIONS):  # a K-quant takes no per-tensor promotions
                 if c.precision not in scans:  # one scan per precision, shared by its candidates
                     scans[c.precision] = _scan(ctx, c.precision, floor, settings)
                 recipes.append(_find_recipe(ctx, c, scans[c.precision], budget, settings, log))

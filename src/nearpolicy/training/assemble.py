@@ -286,11 +286,29 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
         a = cfg.algorithm
         source = InlineRollouts(engine, engine_weights(cfg, session, log), session.task, session.prompt_ids, sampling,
                                 a.group_size, a.prompts_per_step, cfg.run.seed)
-        return ropd_switch(cfg, session, source, log) if cfg.distill.ropd else source
+        source = ropd_switch(cfg, session, source, log) if cfg.distill.ropd else source
+        return group_replay(cfg, session, source, log) if cfg.popo.enabled else source
     from nearpolicy.rollouts.replicas import ReplicaRollouts
 
     return ReplicaRollouts(replica_settings(cfg), engine, gguf_writer(cfg, session), session.engine_dir / "published",
                            _replica_spec(cfg), session.task, session.prompt_ids, sampling, log)
+
+
+def group_replay(cfg: Config, session: Session, inner: RolloutSource, log=print) -> RolloutSource:
+    """POPO's group replay over `inner` (rollouts/replay.GroupReplay). It scores the fresh groups with a bounded scorer
+    of its own (the task's reward, task.reward_timeout_s; the trainer scores the step's groups again with its own)."""
+    from nearpolicy.rollouts.replay import GroupReplay, ReplaySettings
+    from nearpolicy.tasks.scoring import BoundedScorer
+    from nearpolicy.training.phases import score_texts
+
+    scorer, p = BoundedScorer(session.task, cfg.task.reward_timeout_s), cfg.popo
+
+    def score(rollouts, problems) -> list[float]:
+        return [result.reward for result in score_texts(scorer, session.tokenizer, [r.response_ids() for r in rollouts],
+                                                        [problems[r.group_id] for r in rollouts], "POPO", log)]
+
+    return GroupReplay(inner, score, session.task.train_problem,
+                       ReplaySettings(p.buffer_groups, p.max_age, p.recency_decay), scorer.close)
 
 
 def ropd_switch(cfg: Config, session: Session, inner: RolloutSource, log=print) -> RolloutSource:

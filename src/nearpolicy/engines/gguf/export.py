@@ -6,7 +6,8 @@ byte) or, without one, from the HF tokenizer; the `{arch}.*` keys and `general.f
 config. Tensors: HF names mapped with gguf-py's TensorNameMap for the architecture; values transformed as
 llama.cpp's convert_hf_to_gguf.py does (llama: q / k rows permuted; gemma3: norms stored as 1 + w), which
 transformers undoes on GGUF load; 2-D weights quantized with gguf-py in numpy, 1-D tensors kept F32. Writes are
-atomic (temp file in the same folder, fsync, os.replace) and deterministic.
+atomic (temp file in the same folder, fsync, os.replace) and deterministic. A K-quant precision (KQUANTS: q4_k_m ...)
+is an f32 export quantized by llama.cpp's own quantizer in a child process (engines/gguf/kquant.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from nearpolicy.engines.gguf.architectures import ArchSpec, arch_spec, permute
+from nearpolicy.engines.gguf.kquant import KQUANTS, SOURCE_PRECISION, llama_quantize, scratch_path
 from nearpolicy.engines.gguf.rounding import check_rounding, rounding_input
 from nearpolicy.engines.gguf.quantize import quantize
 from nearpolicy.engines.gguf.tokenizer import add_tokenizer_metadata
@@ -41,7 +43,8 @@ QTYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "q4_1": (_Q.Q4_1, _F.MOSTLY_Q4_1),
     "mxfp4": (_Q.MXFP4, _F.MOSTLY_MXFP4_MOE),
 }
-PRECISIONS: tuple[str, ...] = tuple(QTYPES)
+TENSOR_PRECISIONS: tuple[str, ...] = tuple(QTYPES)  # gguf-py's types: per tensor, in-place sync, weights_only
+PRECISIONS: tuple[str, ...] = TENSOR_PRECISIONS + tuple(KQUANTS)  # + llama.cpp's K-quant mixes (engines/gguf/kquant.py)
 
 _EMBEDDING = ("token_embd.weight", "output.weight")
 _permute = permute  # llama's q / k permutation under its old name here (tests import it)
@@ -82,13 +85,18 @@ def export_gguf(
     byte for byte. `embedding_precision` (default: `precision`) applies to token_embd / output, e.g. "q8_0" with
     "q4_1" as llama.cpp's quantizer does. `tensor_precision` (selector, precision) pairs override both per tensor
     (engines/gguf/precision_map.py). `rounding`: "nearest" or "stochastic" with `rounding_seed` (engines/gguf/rounding.py).
+    A K-quant `precision` (KQUANTS) is exported at f32 to a scratch file and quantized by llama.cpp
+    (engines/gguf/kquant.py); it takes no embedding precision, per-tensor overrides or stochastic rounding.
     Raises ValueError (unsupported model_type, unknown precision or rounding, unknown tensor name, a template of
-    another architecture), NotImplementedError (rope scaling or another config feature llama.cpp would compute
-    differently, a tokenizer this exporter cannot describe); on any error `out_path` is left untouched.
+    another architecture, an option a K-quant does not take), NotImplementedError (rope scaling or another config
+    feature llama.cpp would compute differently, a tokenizer this exporter cannot describe), kquant.QuantizeError
+    (llama.cpp's quantizer failed or crashed); on any error `out_path` is left untouched.
     """
     out_path = Path(out_path)
     start = time.perf_counter()
     check_precisions(precision, embedding_precision, tensor_precision, rounding)
+    if precision in KQUANTS:
+        return _export_kquant(state_dict, config, out_path, precision, template_gguf, tokenizer, start)
     writer, tensor_order = _metadata_writer(config, QTYPES[precision][1], template_gguf, tokenizer)
     report = ExportReport(path=out_path, precision=precision)
     for name, array, raw_dtype in convert_state(state_dict, config, precision, embedding_precision, tensor_precision,
@@ -102,7 +110,18 @@ def export_gguf(
 
 def check_precisions(precision: str, embedding_precision: str | None, tensor_precision: PrecisionMap,
                      rounding: str) -> None:
-    """Raise ValueError for an unknown precision, an invalid tensor selector or a rounding the precisions reject."""
+    """Raise ValueError for an unknown precision, an invalid tensor selector, a rounding the precisions reject, or a
+    K-quant with an embedding precision or per-tensor overrides (or named as one)."""
+    if precision in KQUANTS:
+        if (embedding_precision or precision) != precision or tensor_precision:
+            raise ValueError(f"GGUF precision {precision!r} is llama.cpp's own per-tensor mix "
+                             "(engines/gguf/kquant.py): it takes no embedding precision or per-tensor overrides")
+        check_rounding(rounding, {precision})
+        return
+    for p in (embedding_precision or precision, *(p for _, p in tensor_precision)):
+        if p in KQUANTS:
+            raise ValueError(f"{p!r} is a whole-file llama.cpp quantization, not a per-tensor type; per-tensor "
+                             f"types: {', '.join(TENSOR_PRECISIONS)}")
     for p in (precision, embedding_precision or precision, *(p for _, p in tensor_precision)):
         if p not in QTYPES:
             raise ValueError(f"unknown GGUF precision {p!r}; valid: {', '.join(PRECISIONS)}")
@@ -133,6 +152,23 @@ def convert_state(state_dict: dict[str, torch.Tensor], config: Any, precision: s
                              f"blocks, blk.0-{config.num_hidden_layers - 1}"
                              f"{'; the output head is tied to the embeddings' if 'output.weight' not in report.tensor_types else ''})")
     return tensors
+
+
+def _export_kquant(state_dict: dict[str, torch.Tensor], config: Any, out_path: Path, precision: str,
+                   template_gguf: Path | None, tokenizer: Any, start: float) -> ExportReport:
+    """`export_gguf` at a K-quant: the state at SOURCE_PRECISION to a scratch file beside `out_path` (not fsynced:
+    it is deleted), then llama.cpp's quantizer into `out_path` (atomic). fallback_f16 lists the tensors llama.cpp
+    stored at F16."""
+    writer, tensor_order = _metadata_writer(config, QTYPES[SOURCE_PRECISION][1], template_gguf, tokenizer)
+    for name, array, raw_dtype in convert_state(state_dict, config, SOURCE_PRECISION, None, (), "nearest", 0,
+                                                tensor_order):
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    with scratch_path(out_path) as source:
+        _write_atomically(writer, source, durable=False)
+        types = llama_quantize(source, out_path, precision)
+    return ExportReport(path=out_path, precision=precision, tensor_types=types,
+                        fallback_f16=[n for n, t in types.items() if t == "F16"], bytes=out_path.stat().st_size,
+                        seconds=time.perf_counter() - start)
 
 
 def policy_gguf_name(precision: str) -> str:
@@ -204,10 +240,10 @@ def _metadata_writer(config: Any, ftype: gguf.LlamaFileType, template_gguf: Path
     return writer, tensor_order
 
 
-def _write_atomically(writer: gguf.GGUFWriter, out_path: Path) -> None:
-    """Header, metadata and tensors to a temp file beside `out_path`, fsynced, then renamed over it."""
+def _write_atomically(writer: gguf.GGUFWriter, out_path: Path, durable: bool = True) -> None:
+    """Header, metadata and tensors to a temp file beside `out_path`, fsynced (`durable`), then renamed over it."""
     try:
-        with atomic_path(out_path, durable=True) as tmp:
+        with atomic_path(out_path, durable=durable) as tmp:
             writer.write_header_to_file(tmp)
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
@@ -309,7 +345,11 @@ def _template_fields(path: str, size: int, mtime_ns: int,
 def round_to_precision(weight: np.ndarray, precision: str) -> np.ndarray:
     """Quantize a float32 [out, in] weight to `precision` and dequantize it back (float32, same shape): the
     weight-rounding error of that type without its kernels. Rows whose length is not a multiple of the type's
-    block size are returned unchanged (the exporter stores those at F16)."""
+    block size are returned unchanged (the exporter stores those at F16). Raises ValueError for a K-quant (llama.cpp
+    picks its types per tensor of the whole file) or an unknown precision."""
+    if precision not in QTYPES:
+        raise ValueError(f"cannot round one tensor to {precision!r}: per-tensor types are "
+                         f"{', '.join(TENSOR_PRECISIONS)}")
     qtype = QTYPES[precision][0]
     if weight.ndim < 2 or weight.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] != 0:
         return weight

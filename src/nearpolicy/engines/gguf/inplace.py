@@ -10,7 +10,8 @@ reloads from the path.
 
 The rewrite is not atomic: the file is the engine's copy of the trainer's weights, not a checkpoint (a resumed run
 writes it whole again). Only one engine, the in-process one of synchronous training, reads it; asynchronous
-replicas load versioned files (rollouts/replicas.py)."""
+replicas load versioned files (rollouts/replicas.py). A K-quant file (engines/gguf/kquant.py) is laid out by
+llama.cpp's quantizer, not by this exporter, so every sync at a K-quant writes it whole."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from nearpolicy.engines.base import RewrittenGGUF, file_id
 from nearpolicy.engines.gguf.export import convert_state, export_model_report, policy_gguf_name
+from nearpolicy.engines.gguf.kquant import KQUANTS
 from nearpolicy.engines.gguf.precision_map import PrecisionMap
 
 
@@ -107,7 +109,7 @@ class EngineGGUF:
             template_gguf, tokenizer, rounding, seed, log)
         self.slots: dict[str, TensorSlot] | None = None
         self.file_id: tuple[int, int] | None = None
-        self.in_place = True  # off for good once a computed layout failed its check
+        self.in_place = precision not in KQUANTS  # off for good once a computed layout failed its check
 
     def __call__(self) -> Path | RewrittenGGUF:
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
