@@ -97,9 +97,11 @@ def _registries():
     from nearpolicy.ops.losses import POLICY_LOSSES
     from nearpolicy.ops.popo import REPLAY_RULES
     from nearpolicy.ops.turn_credit import TURN_CREDIT
+    from nearpolicy.ops.xrpo import ADVANTAGE_TRANSFORMS, ROLLOUT_ALLOCATORS
 
     # a KL estimator's summary: its gradient
-    return ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS, TURN_CREDIT, DATA_POLICIES, REPLAY_RULES
+    return (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS, TURN_CREDIT, DATA_POLICIES, REPLAY_RULES,
+            ADVANTAGE_TRANSFORMS, ROLLOUT_ALLOCATORS)
 
 
 def _list(args: argparse.Namespace) -> int:
