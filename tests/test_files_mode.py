@@ -46,3 +46,19 @@ def test_a_failed_write_leaves_the_target_and_its_mode(tmp_path, umask_027):
             raise RuntimeError("disk gone")
     assert target.read_text() == "old" and _mode(target) == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]
+
+
+def test_a_checkpoint_folder_and_its_safetensors_files_get_plain_modes(tmp_path, umask_027):
+    """safetensors' save_file creates its files 0600 whatever the umask; checkpoints are published with plain modes."""
+    import torch
+
+    from nearpolicy.runs.folder import save_checkpoint
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {}, keep=1)
+    files = [p for p in path.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert _mode(path) == 0o750 and {p.name: _mode(p) for p in files} == {p.name: 0o640 for p in files}

@@ -23,6 +23,7 @@ import torch
 
 from nearpolicy.engines.gguf.dequantize import load_gguf_weights
 from nearpolicy.engines.gguf.export import PRECISIONS, TENSOR_PRECISIONS, export_gguf
+from nearpolicy.engines.base import EngineError
 from nearpolicy.engines.gguf.kquant import CRASH_HOOK, KQUANTS, QuantizeError, llama_quantize, tensor_types
 from nearpolicy.types import SamplingParams
 
@@ -192,6 +193,7 @@ def test_a_quantizer_crash_or_failure_is_reported_and_leaves_the_target_alone(kq
     assert "died (SIGSEGV)" in message and "engine.gguf is unchanged" in message
     assert "Fatal Python error: Segmentation fault" in message  # the child's own log, quoted
     assert target.read_bytes() == b"previous weights"
+    assert isinstance(crash.value, EngineError)  # train, diagnose and export report it as an engine failure
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".engine.gguf.quantize.log"]
     monkeypatch.delenv(CRASH_HOOK)
     (tmp_path / "garbage.gguf").write_bytes(b"GGUF" + bytes(60))  # llama.cpp refuses it and returns an error

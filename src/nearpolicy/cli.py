@@ -258,6 +258,7 @@ def _add_diagnose(sub) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from nearpolicy.engines.base import EngineError
     from nearpolicy.runs.export import export_run
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
@@ -266,7 +267,7 @@ def _export(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:  # no run, checkpoint or model.path; --step or --out refused
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:
+    except (OSError, EngineError) as err:  # EngineError: llama.cpp's K-quant quantizer failed
         print(f"error: {err} (nothing was written at the output folder)", file=sys.stderr)
         return 1
     log(f"wrote {done.folder} (step {done.step}): AutoModelForCausalLM.from_pretrained('{done.folder}') loads it"

@@ -49,6 +49,16 @@ def plain_mode(folder: bool) -> int:
     return (0o777 if folder else 0o666) & ~_umask()
 
 
+def give_plain_modes(folder: Path) -> None:
+    """chmod `folder` and everything under it to plain_mode: before a folder written by libraries that create their
+    files 0600 (safetensors' save_file) is published by rename. Raises OSError as chmod does."""
+    folder = Path(folder)
+    os.chmod(folder, plain_mode(folder=True))
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, plain_mode(folder=path.is_dir()))
+
+
 def _umask() -> int:
     """The process's umask: from /proc where Linux has it (no change to process state), else set and restored."""
     try:

@@ -195,9 +195,9 @@ def check_popo(cfg) -> None:
     c, spec = cfg.correction, cfg.correction.spec()
     if spec.mode != "decoupled" or spec.action == "off" or spec.mix == 0:
         raise ValueError(f"popo.enabled replays tokens sampled by older weights, which the update must weight by "
-                         f"pi_old / mu (decoupled importance sampling): correction.preset = {c.preset!r} gives "
-                         f"correction.mode = {spec.mode!r}, correction.action = {spec.action!r}, correction.mix = "
-                         f"{spec.mix}; use correction.mode = 'decoupled' with an action other than 'off' and mix > 0 "
+                         f"pi_old / mu (decoupled importance sampling): the correction (preset {c.preset!r} with the "
+                         f"keys set over it) has correction.mode = {spec.mode!r}, correction.action = "
+                         f"{spec.action!r}, correction.mix = {spec.mix}; use correction.mode = 'decoupled' with an action other than 'off' and mix > 0 "
                          "(e.g. correction.preset = 'tis')")
     if cfg.algorithm.advantage not in GROUP_RELATIVE:
         raise ValueError(f"popo.enabled replaces the groups a group-relative estimator gives no signal; "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from nearpolicy.files import plain_mode
+from nearpolicy.files import give_plain_modes
 from nearpolicy.model.catalog import PACKAGED_MODELS, packaged_gguf
 
 DEFAULT_SPEC = "smollm2"
@@ -179,12 +179,12 @@ def convert_gguf(gguf_path: Path) -> Path:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    os.chmod(tmp, plain_mode(folder=True))  # mkdtemp's 0700 would stay with the published folder
     try:
         parent, name = str(Path(gguf_path).parent), Path(gguf_path).name
         loaded = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name, dtype=torch.float32)
         _rebuild_plain(loaded).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(parent, gguf_file=name).save_pretrained(tmp)
+        give_plain_modes(tmp)  # mkdtemp's 0700 and safetensors' 0600 would stay with the published folder
         os.rename(tmp, folder)
     except OSError:
         if not (folder / "config.json").is_file():  # not another process's finished copy

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from nearpolicy.config.schema import EngineConfig
 from nearpolicy.engines.gguf.export import PRECISIONS, export_model_gguf
-from nearpolicy.files import plain_mode
+from nearpolicy.files import give_plain_modes
 from nearpolicy.model.load import ResolvedModel, load_model_weights, load_policy, read_model_weights, resolve_model
 from nearpolicy.model.templates import use_chat_template
 from nearpolicy.runs.folder import CHECKPOINT_PREFIX, list_checkpoints, read_json_object
@@ -127,7 +127,6 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
     model, tokenizer = (None, None) if is_lora_run(config) else trained_policy(spec, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    os.chmod(tmp, plain_mode(folder=True))  # mkdtemp's 0700 would stay with the published folder
     try:
         if model is None:  # [lora]: an adapter-only checkpoint; the HF folder and GGUFs get the merged policy
             model, tokenizer = export_adapter(config, spec, resolved, weights, tmp, log)
@@ -140,6 +139,7 @@ def export_run(run_dir: Path, step: int | None = None, out: Path | None = None, 
             overrides = tuple(engine.get("tensor_precision", {}).items()) if own else ()
             rounding = (engine.get("export_rounding", "nearest"), seed) if own else ()
             names.append(export_model_gguf(model, tmp, precision, overrides, template, tokenizer, *rounding).name)
+        give_plain_modes(tmp)  # mkdtemp's 0700 and safetensors' 0600 would stay with the published folder
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nearpolicy.files import fsync_folder, write_atomically
+from nearpolicy.files import fsync_folder, give_plain_modes, write_atomically
 
 CHECKPOINT_PREFIX = "step_"
 METRICS = "metrics.jsonl"
@@ -117,6 +117,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         tmp.mkdir()
         _write_checkpoint_files(tmp, weights, None if weights_only else optimizer,
                                 {**state, "step": step, "weights_only": weights_only}, None if weights_only else extra)
+        give_plain_modes(tmp)  # safetensors writes its files 0600
         if final.exists():
             _discard(final)
         os.rename(tmp, final)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import gguf
 
+from nearpolicy.engines.base import EngineError
 from nearpolicy.files import atomic_path
 from nearpolicy.signals import exit_description
 
@@ -50,7 +52,7 @@ _FAILED = 3  # the child's exit code when llama_model_quantize returns an error
 _TENSOR = "--- tensor "  # the child's log line per tensor of the file it wrote: name, GGML type id
 
 
-class QuantizeError(RuntimeError):
+class QuantizeError(EngineError):
     """llama.cpp's quantizer failed or its child process died; the message names the step, files and log."""
 
 
@@ -88,10 +90,21 @@ def llama_quantize(source: Path, target: Path, precision: str, threads: int | No
         if code != 0:
             ended = f"{'died' if code < 0 else 'failed'} ({exit_description(code)})"
             how = "reported failure" if code == _FAILED else ended
-            raise QuantizeError(f"{step} {how}; {target.name} is unchanged{_log_tail(log)}")
+            raise QuantizeError(f"{step} {how}; {target.name} is unchanged{_disk_hint(source, target)}"
+                                f"{_log_tail(log)}")
         types = _reported_types(log)
     log.unlink(missing_ok=True)
     return types
+
+
+def _disk_hint(source: Path, target: Path) -> str:
+    """"; the disk may be full ..." when the target's file system has less free space than the source's size (the
+    quantizer's own message for a full disk is an iostream error), else ""."""
+    try:
+        free, needed = shutil.disk_usage(target.parent).free, source.stat().st_size
+    except OSError:
+        return ""
+    return f"; the disk may be full ({free / 2**20:.0f} MiB free beside {target.name})" if free < needed else ""
 
 
 def tensor_types(path: Path) -> dict[str, str]:

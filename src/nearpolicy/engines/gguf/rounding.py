@@ -37,7 +37,7 @@ def check_rounding(rounding: str, precisions: set[str] | tuple[str, ...]) -> Non
     unsupported = sorted(set(precisions) - set(STOCHASTIC_TYPES) - set(FLOAT_TYPES))
     if rounding == "stochastic" and unsupported:
         raise ValueError(f"stochastic export rounding covers {', '.join(STOCHASTIC_TYPES)} (and leaves float types "
-                         f"as they are); this export also uses {', '.join(unsupported)}")
+                         f"as they are); this export also uses {', '.join(unsupported)} (engine.precision / engine.tensor_precision)")
 
 
 def dither(weight: np.ndarray, precision: str, seed: int) -> np.ndarray:
