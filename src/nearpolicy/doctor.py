@@ -99,6 +99,7 @@ def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
             Check("memory bandwidth", f"copy {bw['copy']:.1f} GB/s, triad {bw['triad']:.1f} GB/s (128 MiB float32 "
                   "arrays, torch, best of 5)"),
             Check("roofline rates", measure_rates().describe() + " (the rollout's bound, rollout/roofline_s: "
+                  "the fastest one-thread product times the threads, an upper bound on the gemm lines above; "
                   "engines/roofline.measure_rates, as a run's start measures them)")]
     try:
         import llama_cpp

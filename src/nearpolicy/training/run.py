@@ -69,12 +69,14 @@ def dry_run(cfg: Config, resume: bool) -> tuple[int, str, str]:
     import json
 
     from nearpolicy.config.reference import config_toml
+    from nearpolicy.runs.lock import check_not_in_use
     from nearpolicy.runs.start_checks import check_run_folder
     from nearpolicy.runs.folder import RunExistsError, RunFinished, RunFolderError
     from nearpolicy.training.assemble import dry_plan
 
     code, data = 0, None
     try:
+        check_not_in_use(cfg.run.output_dir / cfg.run.name)
         folder = check_run_folder(cfg, resume)
         said, data = folder.said, folder.data
     except RunFinished as finished:

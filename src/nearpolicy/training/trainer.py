@@ -27,6 +27,7 @@ from nearpolicy.training.phases import (accuracy_figure, advantage_signal, apply
                                         step_metrics, turn_credit_advantages)
 from nearpolicy.model.ewma import build_proximal_policy, restore_proximal
 from nearpolicy.rollouts.base import RolloutSource
+from nearpolicy.runs.lock import lock_run_folder, release_run_folder
 from nearpolicy.runs.start_checks import check_run_folder, last_eval_accuracy, note_engine_precision, set_aside_restarted_metrics
 from nearpolicy.runs.folder import MetricsSink, resume_checkpoint, save_checkpoint, write_json
 from nearpolicy.runs.samples import SampleLog
@@ -80,15 +81,15 @@ def open_trainer(cfg: Config, *, resume: bool = False, log=print,
     with `build` (training.assemble.assemble), and return the Trainer. A run that fails to assemble leaves no folder
     behind."""
     run_dir = cfg.run.output_dir / cfg.run.name
-    folder = check_run_folder(cfg, resume)  # a run already there, a changed config or data: refused before loading
-    check_trackers(cfg.logging)  # a missing wandb / tensorboard, online wandb without credentials: also before
-    if folder.restart:
-        set_aside_restarted_metrics(run_dir)
-        log(f"starting over: {folder.said}")
     created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # run_dir and run.output_dir, if new
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.run.seed)
+    lock_run_folder(run_dir)  # another process's live run in this folder: refused (runs/lock.py)
     try:
+        folder = check_run_folder(cfg, resume)  # a run already there, a changed config or data: refused before loading
+        check_trackers(cfg.logging)  # a missing wandb / tensorboard, online wandb without credentials: also before
+        if folder.restart:
+            set_aside_restarted_metrics(run_dir)
+            log(f"starting over: {folder.said}")
+        torch.manual_seed(cfg.run.seed)
         session, rollouts = build(cfg, run_dir, log)
         try:
             return Trainer(cfg, session, rollouts, resume=resume, log=log, data=folder.data)
@@ -97,6 +98,7 @@ def open_trainer(cfg: Config, *, resume: bool = False, log=print,
             raise
     except BaseException:
         if created:  # a run that never started leaves no folder (nor an empty run.output_dir) behind
+            release_run_folder(run_dir)
             shutil.rmtree(created[-1], ignore_errors=True)
         raise
 
