@@ -89,7 +89,7 @@ $(CHROMIUM):
 test: $(STAMP) $(VSTAMP) $(CHROMIUM)
 	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
-# the inner loop (under 3 minutes on 2 cores): everything but the `slow` tests (real-CLI runs, real-engine smokes,
+# the inner loop (about 12 minutes on 2 busy cores, docs/results.md sec. 8): everything but the `slow` tests (real-CLI runs, real-engine smokes,
 # anything over ~10 s) and the in-process trainer-family matrix (tests/test_trainer_families.py); `make test` runs all
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow" --ignore=tests/test_trainer_families.py $(ARGS)
