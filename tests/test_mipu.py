@@ -16,6 +16,7 @@ from nearpolicy.config.schema import ConfigError, load_config
 from nearpolicy.engines.fake import OffsetEngine
 from nearpolicy.training.mipu import MipuSync, PlainSync, engine_logprobs
 from test_trainer_families import LengthParityTask
+from tiny_trainer import step as _step, tiny_trainer
 
 
 class _Mirror(OffsetEngine):
@@ -37,32 +38,8 @@ class _Mirror(OffsetEngine):
 
 
 def _trainer(model_dir, out, name, *sets, resume=False):
-    from nearpolicy.training import assemble as setup
-    from nearpolicy.training.trainer import open_trainer
-
-    engines = []
-
-    def build(cfg, run_dir, log):
-        session = setup.build_session(cfg, run_dir, log)
-        session.task = LengthParityTask(session.task)
-        engines.append(_Mirror(setup.build_engine(cfg, session)))
-        return session, setup.build_rollouts(cfg, session, engines[0], log)
-
-    cfg = load_config(None, [f"model.path='{model_dir}'", f"run.output_dir='{out}'", f"run.name={name}", "run.steps=3",
-                             "run.threads=1", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
-                             "algorithm.micro_batch_size=4", "algorithm.lr=1e-4", "sampling.max_new_tokens=6",
-                             "task.eval_size=2", "task.train_size=50", "logging.eval_every=100",
-                             "logging.checkpoint_every=100", "logging.tensorboard=false", "logging.progress=false",
-                             "model.max_context=256", "engine.kind=hf", "correction.preset=off", "mipu.enabled=true",
-                             *sets])
-    trainer = open_trainer(cfg, resume=resume, log=lambda _: None, build=build)
-    return trainer, engines[0]
-
-
-def _step(trainer) -> dict[str, float]:
-    row = trainer.train_step()
-    trainer.state.step += 1
-    return row
+    sets = ["algorithm.lr=1e-4", "correction.preset=off", "mipu.enabled=true", *sets]
+    return tiny_trainer(model_dir, out, name, sets, LengthParityTask, _Mirror, resume)
 
 
 def _copy(state: dict) -> dict:
@@ -134,7 +111,8 @@ def test_a_candidate_that_lowers_the_engines_proxy_is_rejected_and_restored_bit_
         row = _step(trainer)
         assert row["mipu/accepted"] == 0.0 and row["mipu/step_scale"] == 0.0
         assert row["mipu/proxy"] < 0 < row["mipu/proxy_trainer"]
-        assert row["mipu/proxy"] == pytest.approx(-row["mipu/proxy_trainer"], rel=0.05)  # first order
+        # first order only: 18 % apart on this batch (within 5 % on the float64 one a dtype leak once gave this test)
+        assert row["mipu/proxy"] == pytest.approx(-row["mipu/proxy_trainer"], rel=0.3)
         assert row["mipu/acceptance_rate"] == 0.5 and row["policy/version"] == 2.0
         restored = _equal(weights, trainer.s.model.state_dict()) and _equal(adam, trainer.s.optimizer.state_dict())
         assert restored is restore

@@ -20,6 +20,7 @@ from nearpolicy.rollouts.base import StepSamples
 from nearpolicy.rollouts.replay import GroupReplay, ReplaySettings
 from nearpolicy.tasks import Problem
 from nearpolicy.types import Rollout
+from tiny_trainer import step as _step, tiny_trainer
 
 S1, S2 = math.sqrt(3) / 4, 0.5  # population std of {1, 0, 0, 0} and of {1, 1, 0, 0} / {0, 1}
 
@@ -233,32 +234,8 @@ class Recorder(OffsetEngine):
 
 
 def _trainer(model_dir, out, name, *sets, resume=False):
-    from nearpolicy.training import assemble as setup
-    from nearpolicy.training.trainer import open_trainer
-
-    engines = []
-
-    def build(cfg, run_dir, log):
-        session = setup.build_session(cfg, run_dir, log)
-        session.task = HalfConstantTask(session.task)
-        engines.append(Recorder(setup.build_engine(cfg, session)))
-        return session, setup.build_rollouts(cfg, session, engines[0], log)
-
-    cfg = load_config(None, [f"model.path='{model_dir}'", f"run.output_dir='{out}'", f"run.name={name}", "run.steps=3",
-                             "run.threads=1", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
-                             "algorithm.micro_batch_size=4", "algorithm.lr=1e-2", "sampling.max_new_tokens=6",
-                             "task.eval_size=2", "task.train_size=50", "logging.eval_every=100",
-                             "logging.checkpoint_every=100", "logging.tensorboard=false", "logging.progress=false",
-                             "model.max_context=256", "engine.kind=hf", "correction.preset=tis", "popo.enabled=true",
-                             *sets])
-    trainer = open_trainer(cfg, resume=resume, log=lambda _: None, build=build)
-    return trainer, engines[0]
-
-
-def _step(trainer) -> dict[str, float]:
-    row = trainer.train_step()
-    trainer.state.step += 1
-    return row
+    sets = ["algorithm.lr=1e-2", "correction.preset=tis", "popo.enabled=true", *sets]
+    return tiny_trainer(model_dir, out, name, sets, HalfConstantTask, Recorder, resume)
 
 
 def _logprobs(trainer, rollouts: list[Rollout]) -> torch.Tensor:

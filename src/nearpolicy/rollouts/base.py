@@ -78,3 +78,20 @@ class RolloutSource(Protocol):
     def close(self) -> None:
         """Stop every engine the source started; safe to call twice."""
         ...
+
+
+class SourceWrapper:
+    """Base of a RolloutSource around another, `inner` (R-OPD's curriculum, POPO's group replay): publish, eval_engine
+    and evaluate pass through to it; the wrapper defines start, collect, step_metrics, state_dict and close."""
+
+    inner: RolloutSource
+
+    def publish(self, version: int) -> None:
+        self.inner.publish(version)
+
+    def eval_engine(self) -> RolloutEngine:
+        return self.inner.eval_engine()
+
+    def evaluate(self, engine: RolloutEngine, problems: list[Problem],
+                 score: Callable[[list[list[int]], str], list]) -> tuple[list[list[int]], list, dict[str, float]]:
+        return self.inner.evaluate(engine, problems, score)

@@ -18,13 +18,11 @@ from collections.abc import Callable
 
 import torch
 
-from nearpolicy.engines.base import RolloutEngine
 from nearpolicy.ops.ropd import gradient_plateau
-from nearpolicy.rollouts.base import RolloutSource, StepSamples
-from nearpolicy.tasks import Problem
+from nearpolicy.rollouts.base import RolloutSource, SourceWrapper, StepSamples
 
 
-class InitialPolicySwitch:
+class InitialPolicySwitch(SourceWrapper):
     """RolloutSource: `inner` until R-OPD's trigger (z, patience) fires on the `estimates` of the updates, then
     `initial()`'s samples (module docstring)."""
 
@@ -72,15 +70,6 @@ class InitialPolicySwitch:
     def _switch(self, why: str) -> None:
         self.log(f"R-OPD: {why}: the next samples come from the initial policy")
         self.replay = self.initial()
-
-    def publish(self, version: int) -> None:
-        self.inner.publish(version)
-
-    def eval_engine(self) -> RolloutEngine:
-        return self.inner.eval_engine()
-
-    def evaluate(self, engine: RolloutEngine, problems: list[Problem], score: Callable) -> tuple[list, list, dict]:
-        return self.inner.evaluate(engine, problems, score)
 
     def state_dict(self) -> dict | None:
         mean = None if self.previous_mean is None else self.previous_mean.tolist()

@@ -25,9 +25,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nearpolicy.engines.base import RolloutEngine
 from nearpolicy.ops.popo import group_spread, replay_priority, replayed_token_stats, top_priority
-from nearpolicy.rollouts.base import RolloutSource, StepSamples
+from nearpolicy.rollouts.base import RolloutSource, SourceWrapper, StepSamples
 from nearpolicy.tasks import Problem
 from nearpolicy.types import Rollout
 
@@ -71,7 +70,7 @@ def _fresh_copy(r: Rollout) -> Rollout:
                    extras={})
 
 
-class GroupReplay:
+class GroupReplay(SourceWrapper):
     """RolloutSource: `inner`'s groups, those without a learning signal replaced by stored effective groups (module
     docstring). score(rollouts, problems) -> a reward per rollout (NaN = unscorable); problem(group_id) -> its
     problem; close_score() stops the scorer."""
@@ -144,15 +143,6 @@ class GroupReplay:
         metrics = self.inner.step_metrics(old_logprobs, rollout_logprobs, defined, versions, version)
         stats = replayed_token_stats(old_logprobs, rollout_logprobs, defined, versions, version)
         return metrics | {f"popo/replayed_{key}": float(value) for key, value in stats.items()}
-
-    def publish(self, version: int) -> None:
-        self.inner.publish(version)
-
-    def eval_engine(self) -> RolloutEngine:
-        return self.inner.eval_engine()
-
-    def evaluate(self, engine: RolloutEngine, problems: list[Problem], score: Callable) -> tuple[list, list, dict]:
-        return self.inner.evaluate(engine, problems, score)
 
     def state_dict(self) -> dict | None:
         return {"inner": self.inner.state_dict(), "buffer": [g.state() for g in self.buffer]}
