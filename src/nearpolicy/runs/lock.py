@@ -7,6 +7,7 @@ lock is re-entrant (a library user may open a folder's trainer again, e.g. to re
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from nearpolicy.runs.folder import RunExistsError
 
 RUN_LOCK = ".nearpolicy.lock"
 _HELD: dict[Path, IO] = {}  # run folder (resolved) -> the open lock file this process holds
+atexit.register(lambda: [handle.close() for handle in _HELD.values()])  # closed, not left to the interpreter's teardown
 
 
 def lock_run_folder(run_dir: Path) -> None:
