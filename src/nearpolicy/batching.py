@@ -116,13 +116,12 @@ def packs_completions(steps: torch.Tensor, n_prompt: int, hidden: int, window: i
     return n * (6 * hidden + n_prompt + n) <= rows * width * (6 * hidden + n_prompt + width)
 
 
-def forward_tokens(batch: TokenBatch, micro: int, hidden: int, pack: bool | None = None,
-                   window: int | None = None) -> tuple[int, int]:
+def forward_tokens(batch: TokenBatch, micro: int, hidden: int, pack: bool | None = None) -> tuple[int, int]:
     """(tokens computed, of which padding) when the batch's rows run through a model of width `hidden` in
     micro-batches of `micro` rows: without prompt_group every row is padded to its micro-batch's longest prompt +
     completion; with it each prompt group of a micro-batch runs its prompt once and its completions (all but the
     last token, which predicts nothing) packed (no padding) or padded to the group's longest (`pack`; None: as
-    packs_completions picks under the sliding `window`). Counts only; the model is not run."""
+    packs_completions picks, for a model without a sliding window). Counts only; the model is not run."""
     computed = padding = 0
     for start in range(0, len(batch), micro):
         part = batch.select(slice(start, start + micro))
@@ -134,7 +133,7 @@ def forward_tokens(batch: TokenBatch, micro: int, hidden: int, pack: bool | None
         for g in torch.unique(part.prompt_group):
             rows = part.prompt_group == g
             n_prompt, steps = int(part.prompt_lengths[rows][0]), (part.completion_lengths[rows] - 1).clamp_min(0)
-            packed = packs_completions(steps, n_prompt, hidden, window) if pack is None else pack
+            packed = packs_completions(steps, n_prompt, hidden) if pack is None else pack
             run = int(steps.sum()) if packed else int(steps.max()) * len(steps)
             computed += n_prompt + run
             padding += run - int(steps.sum())
