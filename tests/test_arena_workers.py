@@ -386,6 +386,6 @@ def test_a_tiny_arena_through_the_cli_with_two_workers_logs_what_it_logs_in_proc
     two, one = load_arena(path, tmp_path / "two"), load_arena(path, tmp_path / "one")
     assert set(_statuses(two).values()) == {("done", 1)}
     for a, b in zip(two.cells, one.cells):
-        untimed = [[{k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
+        untimed = [[{k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/"))}
                     for row in _rows(c.run_dir)] for c in (a, b)]
         assert untimed[0] == untimed[1]

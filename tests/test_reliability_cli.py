@@ -57,9 +57,9 @@ def _steps_written(run: Path) -> list[int]:
 
 
 def _deterministic(row: dict) -> dict:
-    """A metrics row without wall-clock timings (time/*, throughput/*) and the rollout's roofline (rollout/roofline_*:
-    from the GEMM peak and memory bandwidth each start measures)."""
-    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "rollout/roofline_"))}
+    """A metrics row without wall-clock timings (time/*, throughput/*), peak memory (memory/*) and the rollout's
+    roofline (rollout/roofline_*: from the GEMM peak and memory bandwidth each start measures)."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "rollout/roofline_", "memory/"))}
 
 
 def _assert_reproduces(run: Path, reference: list[dict]) -> None:

@@ -16,7 +16,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import platform
+import resource
+from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc malloc.h
 GLIBC_DEFAULTS = {M_TRIM_THRESHOLD: 128 * 1024, M_MMAP_MAX: 65536}
@@ -60,3 +63,20 @@ def release_freed_memory() -> None:
     if libc is not None:
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
         libc.malloc_trim(0)
+
+
+def peak_memory() -> dict[str, float]:
+    """Peak resident memory so far, MiB: `memory/peak_rss_mib` of this (the trainer's) process (ru_maxrss), and
+    `memory/children_peak_rss_mib`, the sum of the peaks (VmHWM) of its live child processes (engine and scoring
+    processes; a sum of peaks, so at least the peak of the sum). Linux /proc for the children; elsewhere 0."""
+    children = 0.0
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        for pid in task.read_text().split():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:  # ended since the list was read
+                continue
+            children += next((int(line.split()[1]) / 1024 for line in status.splitlines()
+                              if line.startswith("VmHWM:")), 0.0)
+    return {"memory/peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "memory/children_peak_rss_mib": children}

@@ -45,7 +45,7 @@ the engine's (tiny test model and SmolLM2-135M, random adapters; docs/lora.md, "
 MOVED = 1e-4
 """nats/token (mean over the probe): a trainer-side change this large must change the engine's scores (delivery)."""
 PROBE_TEXT = " Let me add the numbers one at a time. The answer is 12."
-PROBE_PROMPTS = 3
+PROBE_PROMPTS = 1
 _RAW = SamplingParams()  # temperature 1, no top-k / top-p: the policy's own log-probs
 
 

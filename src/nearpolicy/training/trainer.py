@@ -18,6 +18,7 @@ from tqdm import tqdm
 from nearpolicy.batching import TokenBatch, collate
 from nearpolicy.config.schema import Config
 from nearpolicy.engines.base import EngineDied
+from nearpolicy.training.allocator import peak_memory
 from nearpolicy.training.guards import BadStepGuard, check_finite_weights
 from nearpolicy.ops.advantages import compute_advantages
 from nearpolicy.ops.corrections import mismatch_log_ratio
@@ -292,7 +293,7 @@ class Trainer:
             if step % cfg.logging.eval_every == 0 or step == cfg.run.steps:
                 bar.set_postfix(self.postfix | {"phase": "eval"})
                 metrics |= self.evaluate()
-            metrics["time/step"] = time.perf_counter() - t0
+            metrics |= {"time/step": time.perf_counter() - t0, **peak_memory()}
             self.metrics.write(step, metrics)
             self.postfix = progress_postfix(metrics, self.postfix)
             if step % cfg.logging.checkpoint_every == 0 or step == cfg.run.steps:
