@@ -5,7 +5,7 @@ through the engine process, the proof).
 
     PYTHONPATH=src .venv/bin/python bench/lora_proof.py q8_0 q4_1 --out /tmp/lora-proof
 
-The probe is the training one (training/lora_sync.py: chain_sum's first 3 prompts + PROBE_TEXT). One thread; the
+The probe is the training one (training/lora_sync.py: chain_sum's first PROBE_PROMPTS prompts + PROBE_TEXT). One thread; the
 GGUFs go to --out. Prints one line per (precision, adapter scale)."""
 
 from __future__ import annotations
