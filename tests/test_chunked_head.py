@@ -112,7 +112,7 @@ def test_entropy_is_detached_unless_asked_and_errors():
         assert not chunked_logprobs_and_entropy(h, w, None, ids, 1.0, entropy_grad=True)[1].requires_grad
     for bad in (dict(temperature=0.0), dict(temperature=float("nan")), dict(softcap=-1.0), dict(softcap=float("inf")),
                 dict(token_ids=ids[:-1]), dict(block=(0, 8)), dict(token_ids=ids.clone().fill_(VOCAB)),
-                dict(token_ids=ids.clone().fill_(-1))):
+                dict(token_ids=ids.clone().fill_(-1)), dict(hidden=h.bfloat16())):
         args = dict(hidden=h, weight=w, bias=None, token_ids=ids, temperature=1.0) | bad
         with pytest.raises(ValueError):
             chunked_logprobs_and_entropy(**args)

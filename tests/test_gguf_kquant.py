@@ -321,3 +321,11 @@ def test_diagnose_has_no_aligned_column_for_a_k_quant_and_offers_no_k_quant_scan
     for flag in ("--sensitivity", "--promote-to"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["diagnose", flag, "q4_k_m"])
+
+
+def test_a_missing_target_folder_is_named_not_the_hidden_log_path(tmp_path) -> None:
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"its folder .*missing does not exist") as caught:
+        llama_quantize(source, tmp_path / "missing" / "out.gguf", "q4_k_m")
+    assert ".quantize.log" not in str(caught.value)

@@ -162,13 +162,15 @@ def chunked_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bia
     [n] int64 -> (logprobs [n] float32 with grad to hidden, weight and bias; entropy [n] float32, detached unless
     `entropy_grad`), nats. `block` (R, C): rows per block and columns per vocabulary chunk (None: block_shape's, about
     3 x BLOCK_BYTES of temporaries, besides the gradients' own size). Raises ValueError on a non-positive or non-finite
-    temperature or softcap, a non-positive block, mismatched shapes or a token id outside [0, V)."""
+    temperature or softcap, a non-positive block, mismatched shapes or dtypes, or a token id outside [0, V)."""
     if not 0 < temperature < float("inf"):  # NaN fails too
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     if softcap is not None and not 0 < softcap < float("inf"):
         raise ValueError(f"softcap must be finite and > 0 or None, got {softcap}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [n, H] and [V, H]")
+    if hidden.dtype != weight.dtype:  # the head's own matmul would fail with torch's bare dtype message
+        raise ValueError(f"hidden ({hidden.dtype}) and the head's weight ({weight.dtype}) must have one dtype")
     if token_ids.shape != hidden.shape[:1] or (bias is not None and bias.shape != weight.shape[:1]):
         raise ValueError(f"token_ids {tuple(token_ids.shape)} / bias must be [n] / [V] for hidden "
                          f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}")

@@ -62,13 +62,15 @@ def llama_quantize(source: Path, target: Path, precision: str, threads: int | No
     quantizer in a child process (`python -m nearpolicy.engines.gguf.kquant`: a fresh interpreter that imports only
     llama_cpp) on `threads` threads (default: every core this process may use), writing `target` atomically.
     Returns GGUF tensor name -> GGML type name of the file written (`tensor_types`). Raises ValueError for an
-    unknown precision; QuantizeError (target unchanged) when the quantizer reports failure, the child dies (its
+    unknown precision; FileNotFoundError when `target`'s folder does not exist; QuantizeError (target unchanged) when the quantizer reports failure, the child dies (its
     signal named) or runs past `timeout_s` seconds."""
     if precision not in KQUANTS:
         raise ValueError(f"unknown K-quant {precision!r}; valid: {', '.join(KQUANTS)}")
     from nearpolicy.engines.gguf.quantize import default_threads
 
     source, target = Path(source), Path(target)
+    if not target.parent.is_dir():  # else the error would name the hidden log path beside the target
+        raise FileNotFoundError(f"cannot write {target}: its folder {target.parent} does not exist")
     log = target.parent / f".{target.name}.quantize.log"
     step = f"llama.cpp's quantizer (llama_model_quantize, {precision}) on {source.name} -> {target}"
     with atomic_path(target, durable=True) as tmp, open(log, "wb") as log_file:
