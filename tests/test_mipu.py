@@ -175,3 +175,10 @@ def _plain_sync():
     from nearpolicy.training.mipu import weight_sync
 
     return weight_sync(load_config(None), None, None, None, None)
+
+
+def test_mipu_settings_while_mipu_is_off_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"mipu\.margin, mipu\.max_tries has no effect while mipu\.enabled = false"):
+        load_config(None, ["mipu.margin=0.1", "mipu.max_tries=2"])
+    assert load_config(None, ["mipu.enabled=true", "mipu.margin=0.1"]).mipu.margin == 0.1
+    assert load_config(None, ["mipu.enabled=false"]).mipu.level == "token"  # defaults only: nothing ignored

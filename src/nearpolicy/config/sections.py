@@ -125,6 +125,16 @@ class MipuConfig(Section):
     """Candidates per step: 1 = accept or reject the update; k > 1 backtracks, try j + 1 synchronising the step
     halved j times (theta_old + 2^-j (theta_new - theta_old), keeping the update's AdamW state), before a rejection."""
 
+    @model_validator(mode="after")
+    def _settings_need_enabled(self) -> "MipuConfig":
+        """A mipu.* value off its default while MIPU is off would be silently ignored: refuse it by name."""
+        changed = [k for k, field in type(self).model_fields.items()
+                   if k != "enabled" and getattr(self, k) != field.default]
+        if changed and not self.enabled:
+            raise ValueError(f"{', '.join('mipu.' + k for k in changed)} has no effect while mipu.enabled = false: "
+                             "set mipu.enabled = true, or remove it")
+        return self
+
 
 TOOL_SYSTEM_PROMPT = ('Use the calculator tool for arithmetic: write <tool_call>{"name": "calculator", "arguments": '
                       '{"expression": "..."}}</tool_call> and wait for its reply. Then give the final answer as: '
