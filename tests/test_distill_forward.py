@@ -246,3 +246,20 @@ def test_a_forward_kl_step_is_not_reported_as_training_on_nothing():
 
     assert no_signal({"advantage/nonzero_frac": 0.0}) is not None
     assert no_signal({"advantage/nonzero_frac": 0.0, "distill/forward_kl": 1.3}) is None
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_by_the_dry_run(tiny_model_dir, tmp_path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nearpolicy.training.assemble import dry_plan
+
+    other = LlamaConfig.from_pretrained(tiny_model_dir)
+    other.vocab_size = 512
+    LlamaForCausalLM(other).save_pretrained(tmp_path / "teacher")
+    cfg = load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{tmp_path / 'teacher'}'",
+                             "distill.coef=1.0"])
+    with pytest.raises(ValueError, match=r"distill\.teacher: the teacher .* has 512 tokens in its vocabulary and the "
+                                         r"policy .* 49152: distillation needs the policy's tokenizer"):
+        dry_plan(cfg)
+    dry_plan(load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{tiny_model_dir}'",
+                                "distill.coef=1.0"]))  # the same vocabulary passes

@@ -220,6 +220,15 @@ def _setting(config, key: str) -> Any:
     return functools.reduce(getattr, key.split("."), config)
 
 
+def check_same_vocabulary(policy: ModelFacts, teacher: ModelFacts) -> None:
+    """Refuse a distillation teacher whose vocabulary size differs from the policy's (per-token KL needs one
+    tokenizer; the full tokenizer comparison runs when both load). Raises ValueError naming both sizes."""
+    if policy.vocab_size != teacher.vocab_size:
+        raise ValueError(f"the teacher {teacher.name} ({teacher.architecture}) has {teacher.vocab_size} tokens in its "
+                         f"vocabulary and the policy {policy.name} ({policy.architecture}) {policy.vocab_size}: "
+                         "distillation needs the policy's tokenizer")
+
+
 def check_support(facts: ModelFacts, config) -> None:
     """Refuse, before anything loads, a run whose `config` (a nearpolicy Config) selects a piece of SUPPORT that
     does not run `facts.architecture`, or asks for the model's own chat template (model.chat_template = "auto")

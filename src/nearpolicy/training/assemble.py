@@ -87,7 +87,7 @@ def sampling_params(cfg: Config) -> SamplingParams:
 def build_session(cfg: Config, run_dir: Path, log) -> Session:
     """Load the policy (float32), its optimizer, reference and teacher, and build the task. The task and the
     teacher's path are checked before the policy loads (tens of seconds), so a typo fails fast."""
-    from nearpolicy.model.identity import check_support, model_facts
+    from nearpolicy.model.identity import check_same_vocabulary, check_support, model_facts
     from nearpolicy.model.load import load_policy, resolve_model
     from nearpolicy.model.templates import use_chat_template
 
@@ -99,7 +99,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     log(describe_task(task))
     if cfg.distill.teacher is not None:
         try:
-            resolve_model(cfg.distill.teacher)
+            check_same_vocabulary(model_facts(resolved), model_facts(resolve_model(cfg.distill.teacher)))
         except (FileNotFoundError, ValueError) as err:
             raise ValueError(f"distill.teacher: {err}") from None
     log(f"loading the policy {resolved.path} ({resolved.kind}) in float32...")
@@ -201,14 +201,14 @@ def _describe_episodes(cfg: Config) -> str:
 def dry_plan(cfg: Config) -> dict:
     """run_plan without loading a model: the model and teacher paths are resolved and the task is built (seconds).
     Raises what build_session raises for a bad model.path, distill.teacher or task."""
-    from nearpolicy.model.identity import check_support, model_facts
+    from nearpolicy.model.identity import check_same_vocabulary, check_support, model_facts
     from nearpolicy.model.load import resolve_model
 
     resolved = resolve_model(cfg.model.path)
     check_support(model_facts(resolved), cfg)
     if cfg.distill.teacher is not None:
         try:
-            resolve_model(cfg.distill.teacher)
+            check_same_vocabulary(model_facts(resolved), model_facts(resolve_model(cfg.distill.teacher)))
         except (FileNotFoundError, ValueError) as err:
             raise ValueError(f"distill.teacher: {err}") from None
     return run_plan(cfg, resolved, build_task(cfg))
