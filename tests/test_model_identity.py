@@ -304,3 +304,10 @@ def test_the_gemma_gguf_ends_a_response_on_end_of_turn_and_eos():
     from nearpolicy.engines.llama_lib import eog_token_ids
 
     assert eog_token_ids(resolve_model(GEMMA).path) == {1, 106, 212}  # <eos>, <end_of_turn>, </s>
+
+
+def test_a_metadata_key_that_appears_twice_is_refused(tmp_path):
+    path = _write_gguf(tmp_path / "x.gguf", "llama", 10, **{"test.aaa": 1, "test.bbb": 2})
+    path.write_bytes(path.read_bytes().replace(b"test.bbb", b"test.aaa"))  # same length: the header stays valid
+    with pytest.raises(ValueError, match="x.gguf is not a valid GGUF.*'test.aaa' appears twice"):
+        gguf_metadata(path)

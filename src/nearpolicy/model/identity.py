@@ -43,13 +43,15 @@ _STRING, _ARRAY = 8, 9
 def gguf_metadata(path: Path) -> dict[str, Any]:
     """Every metadata key of the GGUF (version 2 or 3, little-endian) at `path` -> its value (int, float, bool, str;
     an array as a GGUFArray: type and length only). Reads the header alone (memory-mapped). Raises ValueError naming
-    the file when it is not a GGUF or its header is truncated; OSError when it cannot be read."""
+    the file when it is not a GGUF, its header is truncated or a key appears twice; OSError when it cannot be read."""
     with open(path, "rb") as f:
         try:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 return _read_metadata(m)
-        except (ValueError, struct.error, UnicodeDecodeError, OverflowError) as err:  # empty, truncated, garbage
-            raise ValueError(f"{path} is not a valid GGUF file (bad magic or truncated header): {err}") from None
+        except ValueError as err:  # empty file (mmap), no magic, a version or key the reader refuses
+            raise ValueError(f"{path} is not a valid GGUF file: {err}") from None
+        except (struct.error, UnicodeDecodeError, OverflowError) as err:  # truncated or garbage header
+            raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt header): {err}") from None
 
 
 def _read_metadata(m: mmap.mmap) -> dict[str, Any]:
@@ -62,6 +64,8 @@ def _read_metadata(m: mmap.mmap) -> dict[str, Any]:
     pos, out = 24, {}
     for _ in range(n_kv):
         key, pos = _string(m, pos)
+        if key in out:  # llama.cpp refuses such a file; a reader keeping either value would guess
+            raise ValueError(f"metadata key {key!r} appears twice")
         (vtype,) = struct.unpack_from("<I", m, pos)
         out[key], pos = _value(m, pos + 4, vtype)
     return out
