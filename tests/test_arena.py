@@ -61,6 +61,10 @@ def test_cells_are_every_correction_source_and_seed_as_validated_configs(tmp_pat
     assert cfg.algorithm.lr == 1e-5 and cfg.run.steps == 2  # arena.set and the base file
     assert spec.cells[0].config.correction.preset == "off" and spec.cells[0].config.engine.logit_noise == 0.0
     assert [c.id for c in spec.select("*/noise/s0")] == ["off/noise/s0", "tis/noise/s0"]
+    assert [c.id for c in spec.select(["tis/q8/s1", "off/noise/*"])] == [  # repeated --only: any glob, grid order
+        "off/noise/s0", "off/noise/s1", "tis/q8/s1"]
+    with pytest.raises(ArenaError, match="--only 'tis/none/\\*' matches no cell"):
+        spec.select(["tis/q8/s1", "tis/none/*"])
 
 
 OVERRIDE = '\n[[override]]\ncells = "tis/*/s1"\nset = ["run.steps=3"]\n'
@@ -260,6 +264,11 @@ def test_dry_run_lists_cells_and_the_estimated_budget(tmp_path, capsys):
     # 4 cells x (20 s start + 3 evals x 5 s + 2 steps x 10 s) = 220 s
     assert "8 training steps" in out and "estimated 3m40s" in out
     assert "# 2 corrections x 2 sources x 2 seeds = 8 cells; 4 selected, 4 to run" in out
+    assert main(["arena", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--only", "tis/q8/s0",
+                 "--only", "off/noise/s1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 selected, 2 to run" in out and [line.split()[0] for line in out.splitlines() if "pending" in line] == [
+        "off/noise/s1", "tis/q8/s0"]
     one = _arena(tmp_path, ARENA.replace('noise = { set = ["engine.logit_noise=0.5"] }', "").replace("[0, 1]", "[0]"))
     assert main(["arena", str(one), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
     assert "# 2 corrections x 1 source x 1 seed = 2 cells;" in capsys.readouterr().out
@@ -387,3 +396,19 @@ def test_a_collapsed_seed_is_counted_diverged_and_marks_the_means_it_is_in(tmp_p
     assert (off["n"], off["finished"], off["diverged"], off["diverged_in_mean"]) == (2, 2, 1, 1)
     md = (tmp_path / "out" / "arena.md").read_text()
     assert "| off | 0.375 ± 0.460 (incl. 1 diverged); div 1/2;" in md
+
+
+@pytest.mark.parametrize("name,cells,minibatches", [("arena-lora", 24, 1), ("arena-methods", 24, 1),
+                                                    ("arena-staleness-mb4", 16, 4), ("arena-mc-grpo-power", 40, 1)])
+def test_the_main_job_budget_arenas_load(name, cells, minibatches):
+    """The arenas at the main job's budget (30 steps, 4 prompts, 64 new tokens) with 256 held-out problems."""
+    spec = load_arena(Path(__file__).resolve().parent.parent / "configs" / f"{name}.toml")
+    assert len(spec.cells) == cells and len(spec.seeds) >= 3
+    for cell in spec.cells:
+        cfg = cell.config
+        assert (cfg.run.steps, cfg.algorithm.prompts_per_step, cfg.sampling.max_new_tokens, cfg.task.eval_size,
+                cfg.algorithm.minibatches, cfg.run.threads) == (30, 4, 64, 256, minibatches, 1), cell.id
+    if name == "arena-lora":
+        ranks = {c.id.split("/")[0]: (c.config.lora.enabled, c.config.lora.rank, c.config.lora.lr) for c in spec.cells}
+        assert ranks == {"full": (False, 8, 1e-4), "r1": (True, 1, 1e-4), "r8": (True, 8, 1e-4),
+                         "r32": (True, 32, 1e-4)}

@@ -119,7 +119,7 @@ def adopt(spec: ArenaSpec, state: ArenaState, cells: list[Cell], others: list[Ot
     return adopted
 
 
-def adopt_into(spec: ArenaSpec, folders: list[Path], only: str | None, dry_run: bool, say) -> list[str]:
+def adopt_into(spec: ArenaSpec, folders: list[Path], only: str | list[str] | None, dry_run: bool, say) -> list[str]:
     """`--adopt`: read every folder of `folders` first (a bad one raises ArenaError before anything is written), then
     adopt into the arena folder of `spec` the cells `only` selects (spec.select) as `adopt` does. Raises ArenaError
     for a folder that is this arena's own, a bad folder, a changed arena (ArenaState.open) or an --only matching

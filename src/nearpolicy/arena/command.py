@@ -1,4 +1,4 @@
-"""`nearpolicy arena ARENA.toml [--out DIR] [--dry-run] [--only CELL_GLOB] [--page] [--workers N] [--adopt DIR]`:
+"""`nearpolicy arena ARENA.toml [--out DIR] [--dry-run] [--only CELL_GLOB ...] [--page] [--workers N] [--adopt DIR]`:
 the sub-command's parser and handler (cli.py adds it)."""
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def add_arena_parser(sub) -> None:
     a.add_argument("--dry-run", action="store_true",
                    help="list the cells (status, overrides), the estimated budget and the sequential rule, if "
                         "on; run and write nothing")
-    a.add_argument("--only", metavar="CELL_GLOB",
-                   help="run only the cells whose id correction/source/sSEED matches, e.g. 'off/*' or '*/q4_1/s0'")
+    a.add_argument("--only", metavar="CELL_GLOB", action="append",
+                   help="run only the cells whose id correction/source/sSEED matches, e.g. 'off/*' or '*/q4_1/s0'; "
+                        "repeatable: a cell runs when it matches any")
     a.add_argument("--page", action="store_true",
                    help="only (re)write arena.md, arena.json and arena.html from the cells run so far")
     a.add_argument("--workers", type=int, default=1, metavar="N",

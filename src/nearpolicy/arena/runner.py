@@ -203,7 +203,7 @@ def run_sequential(spec: ArenaSpec, state: ArenaState, chosen: list[Cell], say, 
     return code
 
 
-def run_arena(spec: ArenaSpec, only: str | None = None, say: Callable[[str], None] | None = None,
+def run_arena(spec: ArenaSpec, only: str | list[str] | None = None, say: Callable[[str], None] | None = None,
               train: Callable | None = None, workers: int = 1) -> int:
     """Run the cells of `spec` matching the glob `only` (all when None) that are not final yet (in the arena's
     order; seed-major under the sequential rule, which may skip the last seeds: module docstring), then write the
@@ -240,7 +240,8 @@ def _count(items, noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
-def dry_run(spec: ArenaSpec, only: str | None = None, workers: int = 1, adopted: set[str] = frozenset()) -> str:
+def dry_run(spec: ArenaSpec, only: str | list[str] | None = None, workers: int = 1,
+            adopted: set[str] = frozenset()) -> str:
     """The cells `only` selects (seed-major under the sequential rule), each with its status (from a stored state, if
     any) and every override it gets (arena.set, source, correction, [[override]]s, in the order applied), the
     estimated budget and, with arena.sequential = true, the rule (K looks, each look's level and multipliers, the

@@ -42,6 +42,7 @@ import fnmatch
 import json
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -143,15 +144,17 @@ class ArenaSpec:
     late_steps: int | None = None
     sequential: Sequential | None = None
 
-    def select(self, only: str | None) -> list[Cell]:
-        """The cells whose id matches the glob `only` (fnmatch; None: all). Raises ArenaError when none does."""
-        if only is None:
+    def select(self, only: str | Sequence[str] | None) -> list[Cell]:
+        """The cells whose id matches the glob `only`, or any glob of a list of them (fnmatch; None or an empty list:
+        all). Raises ArenaError naming a glob that matches no cell."""
+        globs = [only] if isinstance(only, str) else list(only or ())
+        if not globs:
             return list(self.cells)
-        chosen = [c for c in self.cells if fnmatch.fnmatchcase(c.id, only)]
-        if not chosen:
-            raise ArenaError(f"--only {only!r} matches no cell; cells are named correction/source/sSEED, e.g. "
-                             f"{self.cells[0].id}")
-        return chosen
+        for glob in globs:
+            if not any(fnmatch.fnmatchcase(c.id, glob) for c in self.cells):
+                raise ArenaError(f"--only {glob!r} matches no cell; cells are named correction/source/sSEED, e.g. "
+                                 f"{self.cells[0].id}")
+        return [c for c in self.cells if any(fnmatch.fnmatchcase(c.id, glob) for glob in globs)]
 
 
 def _read(path: Path) -> dict[str, Any]:
