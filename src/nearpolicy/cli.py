@@ -95,13 +95,14 @@ def _registries():
     from nearpolicy.ops.data_policies import DATA_POLICIES
     from nearpolicy.ops.kl import KL_ESTIMATORS
     from nearpolicy.ops.losses import POLICY_LOSSES
+    from nearpolicy.ops.mixture import MIXTURES
     from nearpolicy.ops.popo import REPLAY_RULES
     from nearpolicy.ops.turn_credit import TURN_CREDIT
     from nearpolicy.ops.xrpo import ADVANTAGE_TRANSFORMS, ROLLOUT_ALLOCATORS
 
     # a KL estimator's summary: its gradient
     return (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS, TURN_CREDIT, DATA_POLICIES, REPLAY_RULES,
-            ADVANTAGE_TRANSFORMS, ROLLOUT_ALLOCATORS)
+            ADVANTAGE_TRANSFORMS, ROLLOUT_ALLOCATORS, MIXTURES)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -183,6 +183,7 @@ def check_sections_agree(cfg) -> None:
                          "has already taken in: use mipu.max_tries = 1 with correction.proximal = 'ewma'")
     check_distill_fits(cfg)
     check_popo(cfg)
+    check_xrpo(cfg)
 
 
 def check_popo(cfg) -> None:
@@ -209,6 +210,35 @@ def check_popo(cfg) -> None:
     if on := [name for name, set_ in others.items() if set_]:
         raise ValueError(f"popo.enabled is not combined with {', '.join(on)} yet (built for synchronous single-turn "
                          "rollouts of the full model): remove popo.enabled or those settings")
+
+
+def check_xrpo(cfg) -> None:
+    """[xrpo]'s rules across sections: something to do (novelty or allocate); a first round of 2 <= first_round <
+    algorithm.group_size and seeding only with the allocator; synchronous single-turn rollouts of the full model with
+    outcome advantages [N] (rollout.engines = 0, no episodes; no POPO replay, whose group ids are data positions; no
+    distillation, whose advantages are per token; no LoRA or MIPU: not combined yet). Raises ValueError naming the
+    keys."""
+    x, a = cfg.xrpo, cfg.algorithm
+    if not x.enabled:
+        return
+    if not (x.novelty or x.allocate):
+        raise ValueError("[xrpo] with xrpo.novelty = false and xrpo.allocate = false does nothing: turn one on, or set "
+                         "xrpo.enabled = false")
+    if x.seeding and not x.allocate:
+        raise ValueError("xrpo.seeding samples a zero-reward prompt's extra rollouts, which the allocator gives: set "
+                         "xrpo.allocate = true, or xrpo.seeding = false")
+    first = x.first_round_of(a.group_size)
+    if x.allocate and not first < a.group_size:
+        raise ValueError(f"xrpo.first_round = {first} leaves no rollouts to allocate: it must be below "
+                         f"algorithm.group_size ({a.group_size}); set xrpo.first_round lower, algorithm.group_size >= "
+                         f"{first + 1}, or xrpo.allocate = false")
+    others = {"rollout.engines >= 1": cfg.rollout.engines > 0, "episode.enabled": cfg.episode.enabled,
+              "popo.enabled": cfg.popo.enabled, "distill.teacher": cfg.distill.teacher is not None,
+              "distill.ropd": cfg.distill.ropd, "lora.enabled": cfg.lora.enabled, "mipu.enabled": cfg.mipu.enabled,
+              "task.mixture = 'adaptive' (with xrpo.allocate)": x.allocate and cfg.task.mixture == "adaptive"}
+    if on := [name for name, set_ in others.items() if set_]:
+        raise ValueError(f"[xrpo] is not combined with {', '.join(on)} yet (built for synchronous single-turn rollouts "
+                         "of the full model, outcome advantages): remove [xrpo] or those settings")
 
 
 def check_task(t):

@@ -17,14 +17,17 @@ from nearpolicy.config.checks import (ConfigError, aggregation_fits_loss, apply_
 from nearpolicy.config.correction import CorrectionConfig
 from nearpolicy.config.engine import EngineConfig
 from nearpolicy.config.lora import LoraConfig, check_lora
+from nearpolicy.config.mixture import check_mixture
 from nearpolicy.config.popo import PopoConfig
+from nearpolicy.config.xrpo import XrpoConfig
 from nearpolicy.config.sections import (DistillConfig, EpisodeConfig, MipuConfig, RolloutConfig, Section,
                                         TurnCreditFields, check_worked_turns)
 from nearpolicy.ops.advantages import ADVANTAGES
-from nearpolicy.ops.data_policies import DATA_POLICIES, DataPolicyParams
+from nearpolicy.ops.data_policies import DATA_POLICIES, MIXTURE_DECAY, MIXTURE_FLOOR, DataPolicyParams
 from nearpolicy.ops.kl import KL_ESTIMATORS
 from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
 from nearpolicy.ops.masked import AGGREGATIONS
+from nearpolicy.ops.mixture import MIXTURES
 from nearpolicy.ops.schedule import LR_SCHEDULES
 from nearpolicy.tasks.factory import TASK_KINDS
 from nearpolicy.types import SamplingParams
@@ -123,8 +126,18 @@ class TaskConfig(Section):
     """reasoning_gym: a generated reasoning-gym dataset (`name`, `options`); jsonl: {"prompt", "answer"} lines from
     `path`."""
     name: str = "chain_sum"
-    """reasoning-gym dataset name (kind = reasoning_gym). "composite": a fixed mixture of datasets, options =
-    {datasets = [{name, weight, config}, ...]} (each problem drawn from dataset k with probability weight_k / sum)."""
+    """reasoning-gym dataset name (kind = reasoning_gym). "composite": a mixture of datasets, options = {datasets =
+    [{name, weight, config}, ...]} (each problem drawn from dataset k with probability weight_k / sum; `mixture`)."""
+    mixture: registered(MIXTURES) = "fixed"
+    """How the datasets of task.name = "composite" share the prompts (`nearpolicy list`; docs/math.md sec. 27):
+    fixed = weight_k / sum(weight) all run; adaptive = each step's prompts drawn per dataset with shares moved toward
+    datasets of accuracy near 1/2, from an accuracy EMA of the run's rewards (synchronous single-turn rollouts only;
+    logged: mixture/share/<dataset>, mixture/accuracy/<dataset>, mixture/prompts/<dataset>)."""
+    mixture_decay: float = Field(MIXTURE_DECAY, ge=0, lt=1)
+    """beta of mixture = adaptive (0 <= beta < 1): a dataset's accuracy EMA p <- beta p + (1 - beta) (its mean reward
+    of the step), each step it has a prompt; 0 = the last step's mean alone."""
+    mixture_floor: float = Field(MIXTURE_FLOOR, gt=0, le=1)
+    """eps of mixture = adaptive (0 < eps <= 1): every dataset keeps at least eps x its fixed share; 1 = fixed."""
     options: dict[str, Any] | None = None
     """Keyword options of the reasoning-gym dataset config; None = the dataset's defaults (for chain_sum: 2 terms
     of 1 digit, see `resolved_options`). A --set of task.kind or task.name drops the config file's options."""
@@ -311,6 +324,8 @@ class Config(Section):
     """[lora] train a LoRA adapter on the engine's frozen base (docs/lora.md); no [lora] section: full fine-tuning."""
     popo: PopoConfig = PopoConfig()
     """[popo] replay effective groups in place of constant-reward ones (POPO)."""
+    xrpo: XrpoConfig = XrpoConfig(enabled=False)
+    """[xrpo] novelty sharpening and the rollout allocator (XRPO); no [xrpo] section: off."""
     logging: LoggingConfig = LoggingConfig()
     """[logging] metrics, evals, checkpoints."""
 
@@ -326,6 +341,7 @@ class Config(Section):
     def _sections_agree(self) -> "Config":
         check_sections_agree(self)
         check_lora(self)
+        check_mixture(self)
         return self
 
 

@@ -133,7 +133,7 @@ def data_policy_metrics(result: DataPolicyResult, group_ids: torch.Tensor) -> di
             "weight_max": weights.max() if weights.numel() else weights.new_zeros(())}
 
 
-# -- adaptive task mixture (reconstruction; not yet called by the trainer, see docs/math.md sec. 23) -------------------
+# -- adaptive task mixture (reconstruction; run by task.mixture = 'adaptive': rollouts/mixture.py, math.md sec. 27) ----
 
 def mixture_accuracy_ema(accuracy: torch.Tensor, rewards: torch.Tensor, task_ids: torch.Tensor,
                          decay: float = MIXTURE_DECAY) -> torch.Tensor:

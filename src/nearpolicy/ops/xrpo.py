@@ -14,8 +14,8 @@
 
 The forms come from a third-party reimplementation's summary of the paper (grpo-composer) and a review's quotation of
 the half-width; the paper's own text was not read here, so treat constants and group-mean conventions as a
-reconstruction (docs/math.md sec. 26). Not built: the in-context seeding of zero-reward prompts, and the wiring of
-either piece into the trainer or the rollout loop."""
+reconstruction (docs/math.md sec. 26). Wired by [xrpo] (config/xrpo.py): the sharpening in the advantage phase
+(training/phases.novelty_sharpening), the allocator and the in-context seeding in rollouts/allocation.py."""
 
 from __future__ import annotations
 

@@ -19,10 +19,12 @@ from nearpolicy.model.load import chat_prompt_ids, pad_token_id, stop_token_ids
 from nearpolicy.model.lora import LoraPolicy
 from nearpolicy.ops.correction_presets import describe_correction
 from nearpolicy.rollouts.base import RolloutSource
+from nearpolicy.rollouts.mixture import adaptive_mixture
 from nearpolicy.tasks import Problem, Task, make_task
 from nearpolicy.tasks.factory import describe_task
 from nearpolicy.training.distillation import GradientProbe, UpdateDistill
 from nearpolicy.training.lora_sync import adapter_weights, lora_rollouts, open_lora
+from nearpolicy.training.xrpo import xrpo_rollouts
 from nearpolicy.types import SamplingParams
 
 
@@ -286,8 +288,10 @@ def build_rollouts(cfg: Config, session: Session, engine, log=print) -> RolloutS
         a = cfg.algorithm
         source = InlineRollouts(engine, engine_weights(cfg, session, log), session.task, session.prompt_ids, sampling,
                                 a.group_size, a.prompts_per_step, cfg.run.seed)
+        if (t := cfg.task).mixture == "adaptive":  # the mixture draws each step's problems (rollouts/mixture.py)
+            source = adaptive_mixture(source, t.resolved_options(), t.mixture_decay, t.mixture_floor, cfg.run.seed)
         source = ropd_switch(cfg, session, source, log) if cfg.distill.ropd else source
-        return group_replay(cfg, session, source, log) if cfg.popo.enabled else source
+        return group_replay(cfg, session, source, log) if cfg.popo.enabled else xrpo_rollouts(cfg, session, source, log)
     from nearpolicy.rollouts.replicas import ReplicaRollouts
 
     return ReplicaRollouts(replica_settings(cfg), engine, gguf_writer(cfg, session), session.engine_dir / "published",

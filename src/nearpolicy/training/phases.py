@@ -16,6 +16,7 @@ from nearpolicy.ops.data_policies import DATA_POLICIES, DataPolicyParams, data_p
 from nearpolicy.ops.diagnostics import mismatch_decomposition, mismatch_metrics, sequence_mismatch_metrics
 from nearpolicy.ops.distill import opd_advantages
 from nearpolicy.ops.turn_credit import TurnCreditParams, compute_turn_credit
+from nearpolicy.ops.xrpo import novelty_sharpened_advantages, sequence_scores
 from nearpolicy.model.policy import recompute_logprobs
 from nearpolicy.runs.samples import SAMPLES_PER_EVAL
 from nearpolicy.tasks import Problem
@@ -106,19 +107,47 @@ def advantage_signal(advantages: torch.Tensor, keep: torch.Tensor, mask: torch.T
 
 
 def apply_data_policy(cfg: Config, adv: AdvantageResult, advantages: torch.Tensor, rewards: torch.Tensor,
-                      group_ids: torch.Tensor) -> tuple[AdvantageResult, torch.Tensor, dict[str, float]]:
+                      group_ids: torch.Tensor, batch: TokenBatch | None = None
+                      ) -> tuple[AdvantageResult, torch.Tensor, dict[str, float]]:
     """algorithm.data_policy on a step's samples (ops/data_policies.py; docs/math.md sec. 23): (the advantage result
     with the policy's keep ANDed into its keep-mask, so the loss denominators count the kept samples only; the
     advantages [N] or [N, T] float32, each kept sample's times its weight (the multiplier of its policy-gradient term,
     every registered loss being homogeneous of degree 1 in A), a dropped sample's 0; the data/* metrics as floats).
-    rewards [N]: those the estimator saw (NaN = unscorable or rejected); group_ids [N]. "uniform" changes nothing."""
+    rewards [N]: those the estimator saw (NaN = unscorable or rejected); group_ids [N]. "uniform" changes nothing.
+    With [xrpo] novelty the advantages are sharpened first (novelty_sharpening, from `batch`'s engine log-probs; the
+    data policy's weight then multiplies the sharpened advantage); raises ValueError there without the batch."""
     a = cfg.algorithm
+    metrics = {}
+    if cfg.xrpo.sharpening:
+        if batch is None:
+            raise ValueError("xrpo.novelty sharpens with the engine's log-probs: apply_data_policy needs the step's batch")
+        advantages, metrics = novelty_sharpening(cfg, advantages, adv.keep, batch, group_ids)
     result = DATA_POLICIES.get(a.data_policy)(rewards, group_ids, DataPolicyParams(a.data_policy_top_k))
     w, keep = result.weights.to(advantages.dtype), result.keep
     w, keep = (w[:, None], keep[:, None]) if advantages.dim() == 2 else (w, keep)
     scaled = torch.where(keep, advantages * w, torch.zeros_like(advantages))  # selection: a NaN never meets a 0 weight
-    metrics = {f"data/{key}": float(value) for key, value in data_policy_metrics(result, group_ids).items()}
+    metrics |= {f"data/{key}": float(value) for key, value in data_policy_metrics(result, group_ids).items()}
     return replace(adv, keep=adv.keep & result.keep), scaled, metrics
+
+
+def novelty_sharpening(cfg: Config, advantages: torch.Tensor, keep: torch.Tensor, batch: TokenBatch,
+                       group_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """XRPO's novelty sharpening of a step's advantages [N] float32 (ops/xrpo.novelty_sharpened_advantages with
+    xrpo.novelty_lambda and novelty_kappa; docs/math.md sec. 26): each response's score is the mean of the engine's
+    log-probs (batch.rollout_logprobs [N, T], nats; the sampling policy's, no gradient) over its tokens with one
+    (batch.mask & batch.has_rollout), its group by group_ids [N]. Returns (the sharpened advantages [N] float32,
+    xrpo/sharpened_frac: the share of the kept samples (keep [N] bool) whose advantage grew, xrpo/bonus_mean: their
+    mean gain, 0 when none). Raises ValueError for per-token advantages [N, T] (distillation, turn credit)."""
+    if advantages.dim() != 1:
+        raise ValueError("xrpo.novelty sharpens sequence advantages [N]; per-token advantages (distillation, turn "
+                         "credit) are not sharpened")
+    x = cfg.xrpo
+    scores = sequence_scores(batch.rollout_logprobs, batch.mask & batch.has_rollout)
+    sharpened = novelty_sharpened_advantages(advantages, scores, group_ids, x.novelty_lambda, x.novelty_kappa)
+    gain = torch.where(keep, sharpened.double() - advantages.double(), torch.zeros_like(scores))
+    grew = gain > 0
+    return sharpened, {"xrpo/sharpened_frac": float(grew.sum()) / max(int(keep.sum()), 1),
+                       "xrpo/bonus_mean": float(gain[grew].mean()) if grew.any() else 0.0}
 
 
 def mismatch_diagnostics(update: UpdateResult, batch: TokenBatch, defined: torch.Tensor) -> dict[str, float]:

@@ -129,7 +129,7 @@ def step_advantages(cfg: Config, session: Session, rollouts: list[Rollout], batc
         advantages, metrics = adv.advantages.float(), {}
     else:
         advantages, metrics = distill_advantages(cfg, session.teacher, batch, adv.advantages.float(), sampling)
-    adv, advantages, data_metrics = apply_data_policy(cfg, adv, advantages, baseline, group_ids)
+    adv, advantages, data_metrics = apply_data_policy(cfg, adv, advantages, baseline, group_ids, batch)
     return rewards, adv, advantages, metrics | data_metrics | advantage_signal(advantages, adv.keep, batch.mask)
 
 
