@@ -70,14 +70,16 @@ class EngineConfig(Section):
     unbiased stochastic rounding (arXiv:1502.02551), so small updates reach the engine in expectation; q8_0 and
     q4_1 tensors only, seeded by run.seed and the weights (engines/gguf/rounding.py; docs/aligned.md)."""
 
-    def request(self, *, max_context: int, threads: int, seed: int, isolated: bool = True) -> EngineRequest:
+    def request(self, *, max_context: int, threads: int, seed: int, isolated: bool = True,
+                lora_rank: int = 0) -> EngineRequest:
         """This section as the engine factory's plain fields (engines/factory.py): the kind's own precision key,
-        the options the kind honours."""
+        the options the kind honours; `lora_rank` > 0 under [lora] (vllm opens with LoRA on)."""
         kind = kind_of(self.kind)
         overrides = tuple(self.tensor_precision.items()) if "tensor_precision" in kind.options else ()
         return EngineRequest(self.kind, getattr(self, kind.config_precision), max_context, self.max_parallel_sequences,
                              threads, overrides, self.kv_cache, self.flash_attention, self.extra_buffers,
-                             self.adaptive_threads, self.logit_noise, seed, self.vllm_kv_cache_gib, isolated)
+                             self.adaptive_threads, self.logit_noise, seed, self.vllm_kv_cache_gib, isolated,
+                             lora_rank=lora_rank)
 
     @model_validator(mode="after")
     def _rounding_covers_types(self) -> "EngineConfig":

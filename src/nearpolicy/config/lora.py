@@ -13,9 +13,9 @@ from nearpolicy.engines.gguf.lora_adapter import LLAMA_TARGETS
 
 class LoraConfig(Section):
     """A LoRA adapter trained through PEFT on the engine's own weights, frozen: the base is the engine GGUF
-    dequantized (llamacpp) or model.path (hf), only the adapter syncs, and every sync is proven by scoring a fixed
-    probe with the engine (docs/lora.md). A [lora] table in the file (even empty) or any --set lora.KEY turns it
-    on; without one the run fine-tunes every weight, as before."""
+    dequantized (llamacpp) or model.path (hf, vllm), only the adapter syncs, and every sync is proven by scoring a
+    fixed probe with the engine (docs/lora.md). A [lora] table in the file (even empty) or any --set lora.KEY turns
+    it on; without one the run fine-tunes every weight, as before."""
 
     enabled: StrictBool = False
     """On as soon as the config has a [lora] table or a lora.* override (the section's presence); false in a [lora]

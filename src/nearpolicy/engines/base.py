@@ -64,12 +64,14 @@ class LoraAdapter:
     """An update_weights source under [lora] (docs/lora.md): the engine keeps its base weights and takes this adapter
     in place of the one it holds (every KV cache dropped). `gguf`: a GGUF LoRA adapter file (llama.cpp;
     engines/gguf/lora_adapter.py); `tensors`: HF base weight name -> (lora_A [r, in], lora_B [out, r]) float32 (an
-    engine in this process, e.g. hf); `scale`: alpha / r, the factor of B A. An engine refuses a LoraAdapter without
-    the field it reads with TypeError."""
+    engine in this process, e.g. hf); `peft_dir`: a PEFT adapter folder (adapter_config.json +
+    adapter_model.safetensors, as peft's save_pretrained writes it; vLLM), its own folder per sync; `scale`: alpha / r,
+    the factor of B A. An engine refuses a LoraAdapter without the field it reads with TypeError."""
 
     gguf: str | None = None
     tensors: dict | None = None
     scale: float = 1.0
+    peft_dir: str | None = None
 
 
 def file_id(path: Path | str) -> tuple[int, int]:

@@ -32,7 +32,8 @@ class EngineRequest:
 
     `precision` is the kind's own precision name: a GGUF type (llamacpp), an hf or vllm dtype. `isolated`: run the
     engine in its own process where the kind can (llamacpp; vllm always does), so a native crash ends that process,
-    not the caller (engines/process.py). `kv_cache_gib` is vLLM's KV reservation in GiB."""
+    not the caller (engines/process.py). `kv_cache_gib` is vLLM's KV reservation in GiB. `lora_rank`: under [lora] the
+    adapter's rank, so vllm opens with LoRA on (0: the first adapter reopens it, engines/vllm_child.py)."""
 
     kind: str
     precision: str
@@ -49,6 +50,7 @@ class EngineRequest:
     kv_cache_gib: float = 1.0
     isolated: bool = True
     version: int = 0
+    lora_rank: int = 0
 
     @property
     def precision_label(self) -> str:
@@ -89,13 +91,16 @@ class EngineInputs:
 @dataclass(frozen=True)
 class EngineKind:
     """One engine kind's facts. `loads`: what a weight sync hands its `update_weights` ("gguf": a GGUF path, the
-    trainer's weights exported at `precision`; "state_dict": the trainer's state dict; under [lora] the same
-    split: a GGUF LoRA adapter file or the adapter's tensors, engines/base.LoraAdapter). `options`: the config
+    trainer's weights exported at `precision`; "state_dict": the trainer's state dict; under [lora] see
+    `lora_adapter`). `options`: the config
     options it honours (kv_cache, flash_attention, extra_buffers, tensor_precision, export_rounding,
     weights_only, lora: takes a LoraAdapter in update_weights). `replicas`: can run as rollout.engines replicas;
     `episodes`: runs tool-use episodes; `alignable`: algorithm.precision_alignment = "engine" can emulate it
     (model/aligned.py); `max_parallel`: its hard limit on sequences per batch (None: none) and `max_parallel_why` its reason; `config_precision`: the [engine] key that holds its
-    precision."""
+    precision; `lora_adapter`: under [lora], the LoraAdapter field its update_weights reads ("gguf": a GGUF LoRA
+    file, "tensors": the adapter's tensors, "peft_dir": a PEFT folder); `lora_tolerances`: (precision, nats/token)
+    pairs where the [lora] sync proof's default agreement tolerance for this kind differs from
+    training/lora_sync.PROOF_TOLERANCE's per precision (its arithmetic measured apart, docs/lora.md)."""
 
     name: str
     precisions: tuple[str, ...]
@@ -108,6 +113,8 @@ class EngineKind:
     alignable: bool = False
     max_parallel: int | None = None
     max_parallel_why: str = ""
+    lora_adapter: Literal["gguf", "tensors", "peft_dir"] = "tensors"
+    lora_tolerances: tuple[tuple[str, float], ...] = ()
 
 
 ENGINES: dict[str, EngineKind] = {}
@@ -158,7 +165,8 @@ _LLAMACPP_OPTIONS = frozenset({"kv_cache", "flash_attention", "extra_buffers", "
                                "weights_only", "lora"})
 
 
-@engine_kind("llamacpp", GGUF_PRECISIONS, "gguf", "precision", options=_LLAMACPP_OPTIONS, replicas=True,
+@engine_kind("llamacpp", GGUF_PRECISIONS, "gguf", "precision", options=_LLAMACPP_OPTIONS, lora_adapter="gguf",
+             replicas=True,
              episodes=True, alignable=True, max_parallel=LLAMA_MAX_SEQ,
              max_parallel_why=f"llama.cpp's limit of {LLAMA_MAX_SEQ} sequences per context (LLAMA_MAX_SEQ)")
 def _llamacpp(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
@@ -171,7 +179,8 @@ def _llamacpp(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
     return llamacpp_spec(request, gguf).open()
 
 
-@engine_kind("hf", tuple(HF_DTYPES), "state_dict", "hf_dtype", options=frozenset({"lora"}), episodes=True)
+@engine_kind("hf", tuple(HF_DTYPES), "state_dict", "hf_dtype", options=frozenset({"lora"}), lora_adapter="tensors",
+             episodes=True)
 def _hf(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
     from nearpolicy.engines.hf import HFEngine
 
@@ -180,7 +189,8 @@ def _hf(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
                     logit_noise=request.logit_noise)
 
 
-@engine_kind("vllm", tuple(VLLM_DTYPES), "state_dict", "vllm_dtype")
+@engine_kind("vllm", tuple(VLLM_DTYPES), "state_dict", "vllm_dtype", options=frozenset({"lora"}),
+             lora_adapter="peft_dir", lora_tolerances=(("bf16", 0.2),))  # bf16: up to 0.059 measured, docs/lora.md
 def _vllm(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
     from nearpolicy.engines.vllm_engine import VLLMProcessEngine, vllm_python
 
@@ -192,4 +202,4 @@ def _vllm(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
                              max_context=request.max_context, max_parallel_sequences=request.max_parallel_sequences,
                              threads=request.threads, dtype=request.precision, kv_cache_gib=request.kv_cache_gib,
                              version=request.version, seed=request.seed, log_path=inputs.log_path("vllm.log"),
-                             probe_prompt=inputs.probe_prompt)
+                             probe_prompt=inputs.probe_prompt, lora_rank=request.lora_rank)

@@ -18,10 +18,23 @@ Weight sync (`update_weights`, an HF folder): `reload_weights` in place (`load_w
 are prepacked), then two fixes, each silent without it: a tied `lm_head` keeps the prepacked copy of the old
 embedding until its `quant_method.process_weights_after_loading` runs again, and the prefix cache keeps KV blocks
 of the old weights until `reset_prefix_cache`. `update_weights(..., unsafe_skip=...)` leaves either out (tests show
-that both matter)."""
+that both matter).
+
+LoRA (`update_weights(LoraAdapter)`, engines/base.py; docs/lora.md): vLLM's own LoRA path (on CPU
+vllm/lora/punica_wrapper/punica_cpu.py) with the adapter as a PEFT folder (LoraAdapter.peft_dir). Each adapter sync
+adds the folder under a new LoRA id (a LoRARequest per policy version) and every later generate / greedy / score runs
+under it; the previous adapter is removed once no request uses it (every call here runs to its end before the next,
+so at the swap). Two adapter slots (max_loras = 2) let a request finish under the adapter it started with while the
+next one loads. The prefix cache keys a block by the adapter's name and path, and every adapter gets a name of its
+own, so no block computed under the base or an older adapter is reused: no cache reset is needed. vLLM sizes its
+LoRA buffers when it opens: an engine opened without LoRA (`lora_rank = 0`) or for a smaller rank is reopened on the
+same weights by the first adapter that needs it (about 5 s on a tiny model; its base scores stay bit for bit)."""
 
 from __future__ import annotations
 
+import gc
+import itertools
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -29,19 +42,22 @@ from pathlib import Path
 
 import numpy as np
 
-from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.base import EngineError, LoraAdapter
 from nearpolicy.engines.sampling import transformed_log_softmax
 from nearpolicy.types import GenerationRequest, Rollout, SamplingParams
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # config engine.vllm_dtype -> vLLM dtype
 SKIPPABLE = ("tied_head", "prefix_cache")  # the two weight-sync fixes update_weights' unsafe_skip may leave out
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts (vllm/config/lora.py)
+ADAPTER_SLOTS = 2  # max_loras: the adapter in use and the next one (module docstring)
 
 
 @dataclass(frozen=True)
 class VLLMSpec:
     """How to open a vLLM engine (picklable: sent to the engine process). `model_dir` is an HF folder
     (config.json + model.safetensors); `kv_cache_gib` the KV cache vLLM reserves (GiB; it starts only with an
-    explicit size); `stop_ids` every id that ends a response; `python` the interpreter of .venv-vllm."""
+    explicit size); `stop_ids` every id that ends a response; `python` the interpreter of .venv-vllm; `lora_rank`
+    the largest LoRA adapter rank the engine opens for (0: LoRA off until the first adapter; module docstring)."""
 
     model_dir: str
     version: int
@@ -53,6 +69,7 @@ class VLLMSpec:
     stop_ids: tuple[int, ...]
     python: str
     seed: int = 0
+    lora_rank: int = 0
 
     def open(self) -> "VLLMEngine":
         return VLLMEngine(self)
@@ -92,13 +109,36 @@ class VLLMEngine:
         import torch
 
         torch.set_num_threads(spec.threads)
+        self.spec, self.version, self.stop_ids = spec, spec.version, frozenset(spec.stop_ids)
+        self.model_dir = spec.model_dir  # the weights now loaded (a reopen loads them again)
+        self.lora = None  # the LoRARequest of the adapter every call runs under; None: the base alone
+        self._lora_ids = itertools.count(1)  # a new LoRA id (and name) per adapter sync, never reused
+        self.llm, self.lora_rank = None, 0
+        self._open(spec.lora_rank)
+
+    def _open(self, lora_rank: int) -> None:
+        """(Re)open vLLM's LLM on self.model_dir; `lora_rank` > 0 turns LoRA on for adapters up to that rank (rounded
+        up to a rank vLLM accepts). A reopen drops the adapter held. Raises EngineError for a rank above 512."""
         from vllm import LLM
 
-        self.spec, self.version, self.stop_ids = spec, spec.version, frozenset(spec.stop_ids)
-        self.llm = LLM(model=spec.model_dir, skip_tokenizer_init=True, dtype=DTYPES[spec.dtype], enforce_eager=True,
-                       logprobs_mode="processed_logprobs", max_logprobs=-1, max_model_len=spec.max_context,
-                       max_num_seqs=spec.max_parallel_sequences, kv_cache_memory_bytes=int(spec.kv_cache_gib * 2**30),
-                       enable_prefix_caching=True, generation_config="vllm", seed=spec.seed, load_format="safetensors")
+        lora = {}
+        if lora_rank > 0:
+            if lora_rank > LORA_RANKS[-1]:
+                raise EngineError(f"a LoRA adapter of rank {lora_rank}: vLLM takes ranks up to {LORA_RANKS[-1]} "
+                                  "(lora.rank)")
+            lora_rank = min(r for r in LORA_RANKS if r >= lora_rank)
+            lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=ADAPTER_SLOTS, max_cpu_loras=ADAPTER_SLOTS)
+        if self.llm is not None:
+            print(f"nearpolicy: reopening vLLM with LoRA up to rank {lora_rank}", flush=True)
+            self.llm = self.lora = None
+            gc.collect()  # the old engine's KV cache is freed before the new one reserves its own
+        s = self.spec
+        self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, dtype=DTYPES[s.dtype], enforce_eager=True,
+                       logprobs_mode="processed_logprobs", max_logprobs=-1, max_model_len=s.max_context,
+                       max_num_seqs=s.max_parallel_sequences, kv_cache_memory_bytes=int(s.kv_cache_gib * 2**30),
+                       enable_prefix_caching=True, generation_config="vllm", seed=s.seed, load_format="safetensors",
+                       **lora)
+        self.lora_rank = lora_rank
 
     def _params(self, sampling: SamplingParams | None, max_tokens: int, seed: int | None = None, **extra):
         from vllm import SamplingParams as VllmSampling
@@ -118,7 +158,8 @@ class VLLMEngine:
                               f"{self.spec.max_context} tokens per sequence (model.max_context)")
 
     def _run(self, prompts: list[list[int]], params: list) -> list:
-        return self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.lora)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams, seed: int) -> list[Rollout]:
         """Sample `n` completions per request (each its own seeded vLLM request); rollouts ordered by (request,
@@ -170,8 +211,13 @@ class VLLMEngine:
 
     def update_weights(self, source, version: int, unsafe_skip: tuple[str, ...] = ()) -> None:
         """Reload the weights of the HF folder `source` in place, refresh a tied lm_head's prepacked copy and reset
-        the prefix cache (module docstring); the policy version becomes `version`. `unsafe_skip` (tests only)
-        leaves out the named fixes (SKIPPABLE); raises ValueError for another name."""
+        the prefix cache (module docstring); or, for a LoraAdapter, take its PEFT folder as the adapter of every
+        later call (load_adapter; an adapter held stays on new weights). The policy version becomes `version`.
+        `unsafe_skip` (tests only) leaves out the named fixes (SKIPPABLE); raises ValueError for another name."""
+        if isinstance(source, LoraAdapter):
+            self.load_adapter(source)
+            self.version = version
+            return
         bad = set(unsafe_skip) - set(SKIPPABLE)
         if bad:
             raise ValueError(f"unsafe_skip {sorted(bad)}: valid entries are {SKIPPABLE}")
@@ -179,11 +225,41 @@ class VLLMEngine:
         if not (folder / "model.safetensors").is_file():
             raise EngineError(f"vLLM weight sync: {folder} holds no model.safetensors")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        self.model_dir = str(folder)
         if "tied_head" not in unsafe_skip:
             self.llm.apply_model(refresh_tied_head)
         if "prefix_cache" not in unsafe_skip:
             self.llm.reset_prefix_cache()
         self.version = version
+
+    def load_adapter(self, source: LoraAdapter) -> None:
+        """Add the PEFT folder `source.peft_dir` under a new LoRA id and name (vLLM applies its lora_alpha / r), make
+        it the adapter of every later call and remove the previous one (module docstring). Reopens the engine when
+        LoRA is off or the adapter's rank is larger than it was opened for. Raises TypeError without peft_dir,
+        EngineError when the folder is not a PEFT adapter vLLM takes (its message included)."""
+        if source.peft_dir is None:
+            raise TypeError("the vLLM engine takes a LoRA adapter as a PEFT folder (LoraAdapter.peft_dir)")
+        rank = peft_rank(Path(source.peft_dir))
+        if rank > self.lora_rank:  # vLLM sizes its LoRA buffers when it opens
+            self._open(rank)
+        from vllm.lora.request import LoRARequest
+
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(f"policy-adapter-{lora_id}", lora_id, str(source.peft_dir))
+        try:
+            added = self.llm.llm_engine.add_lora(request)
+        except Exception as err:  # noqa: BLE001 - vLLM's own error types do not exist in the trainer's environment
+            raise EngineError(f"vLLM did not load the LoRA adapter {source.peft_dir}: {type(err).__name__}: "
+                              f"{err}") from None
+        if not added:
+            raise EngineError(f"vLLM did not load the LoRA adapter {source.peft_dir}")
+        previous, self.lora = self.lora, request
+        if previous is not None:  # no request runs under it any more: this engine's calls end before the next
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    def loaded_adapters(self) -> set[int]:
+        """The LoRA ids vLLM holds (tests: an old adapter is removed at the swap)."""
+        return set(self.llm.llm_engine.list_loras())
 
     def is_stop_token(self, token: int) -> bool:
         return token in self.stop_ids
@@ -193,6 +269,19 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.llm = None
+
+
+def peft_rank(folder: Path) -> int:
+    """The largest rank of the PEFT adapter in `folder` (adapter_config.json: r and any rank_pattern). Raises
+    EngineError when the folder holds no PEFT LoRA adapter."""
+    try:
+        settings = json.loads((folder / "adapter_config.json").read_text())
+        ranks = [int(settings["r"]), *(int(r) for r in (settings.get("rank_pattern") or {}).values())]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise EngineError(f"{folder} is not a PEFT LoRA adapter folder (adapter_config.json with r): {err}") from None
+    if not (folder / "adapter_model.safetensors").is_file():
+        raise EngineError(f"{folder} holds no adapter_model.safetensors (PEFT's save_pretrained writes it)")
+    return max(ranks)
 
 
 def refresh_tied_head(model) -> bool:

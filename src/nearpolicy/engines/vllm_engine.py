@@ -3,17 +3,19 @@
 (engines/process.ProcessEngine: startup probe, a crash reported as EngineDied with its signal and log tail, the
 engine's errors forwarded). The engine process is engines/vllm_child.py; this side writes the trainer's weights as an
 HF folder (config.json + model.safetensors, float32) that the engine loads at start and reloads in place at every
-weight sync. docs/vllm.md: use, numerics, what changes on a GPU."""
+weight sync; under [lora] it hands over the adapter as a PEFT folder instead (engines/base.LoraAdapter.peft_dir).
+docs/vllm.md: use, numerics, what changes on a GPU; docs/lora.md: the adapter path."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from nearpolicy.engines.base import EngineError
+from nearpolicy.engines.base import EngineError, LoraAdapter
 from nearpolicy.engines.process import ProcessEngine
 from nearpolicy.engines.vllm_child import DTYPES, VLLMSpec
 from nearpolicy.files import atomic_path
@@ -74,26 +76,39 @@ class VLLMProcessEngine(ProcessEngine):
     """The vLLM engine on `state_dict` (the trainer's weights, with their transformers `config`), in the vLLM
     environment's own process; `folder` is where the HF folder of the current weights is written.
 
-    `update_weights(source, version)` takes a state dict (written to `folder` first, about 1 s for 135M parameters)
-    or an HF folder. Raises EngineError when .venv-vllm is missing (vllm_python), EngineDied when the engine process
-    dies, and the engine's own errors (EngineError, ValueError) unchanged."""
+    `update_weights(source, version)` takes a state dict (written to `folder` first, about 1 s for 135M parameters),
+    an HF folder, or a LoraAdapter with peft_dir (engines/vllm_child.VLLMEngine.load_adapter). `lora_rank` > 0 opens
+    the engine with LoRA on for adapters up to that rank (0: the first adapter reopens it). Raises EngineError when
+    .venv-vllm is missing (vllm_python), EngineDied when the engine process dies, and the engine's own errors
+    (EngineError, ValueError) unchanged."""
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], folder: Path, *, stop_ids, max_context: int,
                  max_parallel_sequences: int, threads: int, dtype: str = "fp32", kv_cache_gib: float = 1.0,
                  version: int = 0, seed: int = 0, log_path: Path | None = None,
-                 probe_prompt: list[int] | None = None):
+                 probe_prompt: list[int] | None = None, lora_rank: int = 0):
         if dtype not in DTYPES:
             raise ValueError(f"vllm dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         python = vllm_python()
         self.config, self.folder = config, Path(folder)
         write_hf_folder(state_dict, config, self.folder)
         spec = VLLMSpec(str(self.folder), version, max_context, max_parallel_sequences, threads, dtype, kv_cache_gib,
-                        tuple(sorted(stop_ids)), str(python), seed)
+                        tuple(sorted(stop_ids)), str(python), seed, lora_rank)
         super().__init__(spec, f"vllm:{dtype}", log_path=log_path, probe_prompt=probe_prompt)
 
     def update_weights(self, source, version: int, *, unsafe_skip: tuple[str, ...] = ()) -> None:
-        """Load new weights (a state dict, or an HF folder holding model.safetensors) and set the policy version.
-        `unsafe_skip` (tests only) leaves out weight-sync fixes (engines/vllm_child.SKIPPABLE)."""
+        """Load new weights (a state dict, or an HF folder holding model.safetensors) or a LoRA adapter (a
+        LoraAdapter with peft_dir) and set the policy version. `unsafe_skip` (tests only) leaves out weight-sync
+        fixes (engines/vllm_child.SKIPPABLE). Raises TypeError for a LoraAdapter without peft_dir."""
+        if isinstance(source, LoraAdapter):
+            if source.peft_dir is None:
+                raise TypeError("the vLLM engine takes a LoRA adapter as a PEFT folder (LoraAdapter.peft_dir)")
+            self._call("update_weights", replace(source, tensors=None), version)  # the folder, not the tensors
+            self.version = version
+            return
         folder = write_hf_folder(source, self.config, self.folder) if isinstance(source, dict) else Path(source)
         self._call("update_weights", str(folder), version, tuple(unsafe_skip))
         self.version = version
+
+    def loaded_adapters(self) -> set[int]:
+        """The LoRA ids the engine holds (after an adapter sync: the newest one alone)."""
+        return self._call("loaded_adapters")

@@ -217,9 +217,9 @@ def dry_plan(cfg: Config) -> dict:
 
 
 def engine_request(cfg: Config, threads: int | None = None) -> EngineRequest:
-    """The engine of cfg.engine as the factory's plain fields (run.threads unless `threads`)."""
-    return cfg.engine.request(max_context=cfg.model.max_context, seed=cfg.run.seed,
-                              threads=cfg.run.threads if threads is None else threads)
+    """The engine of cfg.engine as the factory's plain fields (run.threads unless `threads`; [lora]'s rank)."""
+    threads, rank = cfg.run.threads if threads is None else threads, cfg.lora.rank if cfg.lora.enabled else 0
+    return cfg.engine.request(max_context=cfg.model.max_context, seed=cfg.run.seed, threads=threads, lora_rank=rank)
 
 
 def gguf_writer(cfg: Config, session: Session) -> Callable[[Path], Path]:

@@ -5,7 +5,8 @@ proven by the engine's scores of a fixed probe.
   at engine.precision as the engine's GGUF, its tensors dequantized back into the policy (so the trainer's frozen
   base equals the engine's weights bit for bit), then PEFT's adapter is attached (model/lora.py).
 - `AdapterWeights`: what each sync hands engine.update_weights, an engines/base.LoraAdapter: the adapter written as a
-  GGUF LoRA adapter file (engines/gguf/lora_adapter.py) for llama.cpp, the adapter's tensors for hf.
+  GGUF LoRA adapter file (engines/gguf/lora_adapter.py) for llama.cpp, as a PEFT folder for vLLM, the adapter's
+  tensors for hf.
 - `AdapterProof`: after each sync the engine scores a fixed probe (teacher forced, RolloutEngine.score at temperature
   1, no truncation) and the trainer's adapted policy scores it too (float32, no dropout). Two checks, both needed:
   agreement: the mean |engine - trainer| over the probe's tokens is at most the precision's tolerance tol (the
@@ -22,6 +23,7 @@ proven by the engine's scores of a fixed probe.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +41,10 @@ from nearpolicy.types import SamplingParams
 
 PROOF_TOLERANCE = {"f32": 5e-3, "fp32": 1e-4, "f16": 1e-2, "bf16": 0.1, "q8_0": 0.25, "q5_0": 0.25, "q4_0": 0.25,
                    "q4_1": 0.25, "mxfp4": 0.25}
-"""Default agreement tolerance per engine precision (llama.cpp's GGUF types at an f16 KV cache, the hf engine's fp32 /
-bf16): mean |engine - trainer| nats per probe token, about 3x the largest mean gap measured with the trainer's base =
-the engine's (tiny test model and SmolLM2-135M, random adapters; docs/lora.md, "Tolerances")."""
+"""Default agreement tolerance per engine precision (llama.cpp's GGUF types at an f16 KV cache, the hf and vllm
+engines' fp32 / bf16): mean |engine - trainer| nats per probe token, about 3x the largest mean gap measured with the
+trainer's base = the engine's (tiny test model and SmolLM2-135M, random adapters; docs/lora.md, "Tolerances"). A kind
+whose arithmetic needs another figure at a precision says so in its EngineKind.lora_tolerances (vllm bf16)."""
 MOVED = 1e-4
 """nats/token (mean over the probe): a trainer-side change this large must change the engine's scores (delivery)."""
 PROBE_TEXT = " Let me add the numbers one at a time. The answer is 12."
@@ -66,10 +69,12 @@ class AdapterProofError(RuntimeError):
                 "engine would not be the trained policy's")
 
 
-def proof_tolerance(configured: float | None, precisions: set[str]) -> float:
-    """`configured` (lora.proof_tolerance), else the largest PROOF_TOLERANCE among the engine's `precisions` (its
-    precision and every per-tensor override)."""
-    return configured if configured is not None else max(PROOF_TOLERANCE[p] for p in precisions)
+def proof_tolerance(configured: float | None, precisions: set[str], kind_tolerances: tuple = ()) -> float:
+    """`configured` (lora.proof_tolerance), else the largest default among the engine's `precisions` (its precision
+    and every per-tensor override): the kind's own figure (`kind_tolerances`, (precision, nats/token) pairs of
+    EngineKind.lora_tolerances) where it has one, else PROOF_TOLERANCE's."""
+    defaults = PROOF_TOLERANCE | dict(kind_tolerances)
+    return configured if configured is not None else max(defaults[p] for p in precisions)
 
 
 def open_lora(cfg, model: torch.nn.Module, tokenizer, template_gguf: Path | None, engine_dir: Path,
@@ -96,10 +101,10 @@ def open_lora(cfg, model: torch.nn.Module, tokenizer, template_gguf: Path | None
 
 def adapter_weights(cfg, session) -> "AdapterWeights":
     """The in-process engine's adapter writer of a training `session` (training/assemble.Session with .lora), made
-    once and kept as session.engine_gguf: a GGUF adapter in <engine_dir> for a kind that loads GGUF, else tensors."""
+    once and kept as session.engine_gguf: the adapter in the form the engine kind reads (EngineKind.lora_adapter),
+    files in <engine_dir>."""
     if session.engine_gguf is None:
-        session.engine_gguf = AdapterWeights(session.lora, kind_of(cfg.engine.kind).loads == "gguf",
-                                             session.engine_dir)
+        session.engine_gguf = AdapterWeights(session.lora, kind_of(cfg.engine.kind).lora_adapter, session.engine_dir)
     return session.engine_gguf
 
 
@@ -107,29 +112,50 @@ def lora_rollouts(cfg, session, inner: RolloutSource, log=print) -> "ProvenRollo
     """`inner` with every adapter sync of `session` (training/assemble.Session with .lora) proven (ProvenRollouts)
     on the probe of the task's first PROBE_PROMPTS training prompts, at the engine precision's tolerance
     (lora.proof_tolerance overrides it)."""
-    e = cfg.engine
-    precisions = {getattr(e, kind_of(e.kind).config_precision), *e.tensor_precision.values()}
-    tolerance = proof_tolerance(cfg.lora.proof_tolerance, precisions)
+    e, kind = cfg.engine, kind_of(cfg.engine.kind)
+    precisions = {getattr(e, kind.config_precision), *e.tensor_precision.values()}
+    tolerance = proof_tolerance(cfg.lora.proof_tolerance, precisions, kind.lora_tolerances)
     prompts = [session.prompt_ids(session.task.train_problem(i)) for i in range(PROBE_PROMPTS)]
     proof = AdapterProof(session.lora, probe_sequences(prompts, session.tokenizer), tolerance)
     return ProvenRollouts(inner, proof, adapter_weights(cfg, session), log)
 
 
-class AdapterWeights:
-    """Each call: the trainer's current adapter as an engines/base.LoraAdapter. `as_gguf` (engines that load a GGUF):
-    written to `folder`/adapter.gguf (engines/gguf/lora_adapter.py; replaced atomically each sync); else its
-    tensors. `write_s`: the last write's seconds."""
+ADAPTER_FORMS = ("gguf", "tensors", "peft_dir")  # the LoraAdapter field an engine reads (EngineKind.lora_adapter)
 
-    def __init__(self, lora: LoraPolicy, as_gguf: bool, folder: Path):
-        self.lora, self.as_gguf, self.path, self.write_s = lora, as_gguf, Path(folder) / "adapter.gguf", 0.0
+
+class AdapterWeights:
+    """Each call: the trainer's current adapter as an engines/base.LoraAdapter in `form` (ADAPTER_FORMS): "gguf":
+    written to `folder`/adapter.gguf (engines/gguf/lora_adapter.py; replaced atomically each sync); "peft_dir": PEFT's
+    save_pretrained into a new folder `folder`/peft-adapter-N per sync (the one before it is kept, as an engine may
+    still finish requests under it; older ones are deleted); "tensors": its tensors. `write_s`: the last write's
+    seconds. Raises ValueError for another form."""
+
+    def __init__(self, lora: LoraPolicy, form: str, folder: Path):
+        if form not in ADAPTER_FORMS:
+            raise ValueError(f"adapter form {form!r}: one of {', '.join(ADAPTER_FORMS)}")
+        self.lora, self.form, self.folder, self.write_s = lora, form, Path(folder), 0.0
+        self.path, self.syncs = self.folder / "adapter.gguf", 0
 
     def __call__(self) -> LoraAdapter:
+        if self.form == "peft_dir":
+            return LoraAdapter(peft_dir=str(self._write_peft()), scale=self.lora.scale)
         tensors = self.lora.adapter_tensors()
-        if not self.as_gguf:
+        if self.form == "tensors":
             return LoraAdapter(tensors=tensors, scale=self.lora.scale)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.write_s = export_lora_gguf(tensors, self.lora.model.config, self.path, self.lora.alpha)
         return LoraAdapter(gguf=str(self.path), scale=self.lora.scale)
+
+    def _write_peft(self) -> Path:
+        """The adapter as a PEFT folder of its own (adapter_config.json + adapter_model.safetensors, float32)."""
+        started = time.perf_counter()
+        self.syncs += 1
+        target = self.folder / f"peft-adapter-{self.syncs}"
+        shutil.rmtree(target, ignore_errors=True)  # a resumed run counts from 1 again
+        self.lora.peft_model.save_pretrained(str(target))
+        shutil.rmtree(self.folder / f"peft-adapter-{self.syncs - 2}", ignore_errors=True)
+        self.write_s = time.perf_counter() - started
+        return target
 
 
 @torch.no_grad()
