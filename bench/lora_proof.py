@@ -5,12 +5,14 @@ through the engine process, the proof).
 
     PYTHONPATH=src .venv/bin/python bench/lora_proof.py q8_0 q4_1 --out /tmp/lora-proof
 
-The probe is the training one (training/lora_sync.py: chain_sum's first PROBE_PROMPTS prompts + PROBE_TEXT). One thread; the
+The probe is the training one (training/lora_sync.py: the last PROBE_CONTEXT tokens of chain_sum's first PROBE_PROMPTS
+prompts + PROBE_TEXT); per precision the proof's time is also compared with the whole prompt's. One thread; the
 GGUFs go to --out. Prints one line per (precision, adapter scale)."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -25,7 +27,8 @@ from nearpolicy.engines.gguf.lora_adapter import export_lora_gguf
 from nearpolicy.model.load import chat_prompt_ids, load_policy
 from nearpolicy.model.lora import attach_lora, load_engine_base
 from nearpolicy.training.assemble import build_task
-from nearpolicy.training.lora_sync import PROBE_PROMPTS, engine_logprobs, policy_logprobs, probe_sequences
+from nearpolicy.training.lora_sync import (PROBE_CONTEXT, PROBE_PROMPTS, engine_logprobs, policy_logprobs,
+                                           probe_sequences)
 
 SCALES = (0.0, 1e-3, 1e-2, 3e-2)  # std of lora_B's entries (lora_A: PEFT's Kaiming init); 0 = version 0
 
@@ -66,8 +69,25 @@ def measure(precision: str, out: Path, rank: int) -> None:
                   f"{np.abs(theirs - base).mean():.4f}) over {len(gap)} tokens; write {write_s:.3f} s "
                   f"({t1 - t0:.3f}), update_weights {t2 - t1:.3f} s, proof {t3 - t2:.2f} s, adapter "
                   f"{(folder / 'adapter.gguf').stat().st_size / 2**20:.1f} MiB", flush=True)
+        _time_contexts(engine, lora, prompts, probe, precision)
     finally:
         engine.close()
+
+
+def _time_contexts(engine, lora, prompts, probe, precision: str, rounds: int = 5) -> None:
+    """The proof's two forwards on the probe as trained (the prompt's last PROBE_CONTEXT tokens) against the whole
+    prompt, alternated (ABAB) so that load on the machine hits both alike; prints each one's median seconds."""
+    arms = {"whole prompt": [(list(p), c) for p, (_, c) in zip(prompts, probe)],
+            f"last {PROBE_CONTEXT} prompt tokens": probe}
+    seconds: dict[str, list[float]] = {label: [] for label in arms}
+    for _ in range(rounds):
+        for label, sequences in arms.items():
+            started = time.perf_counter()
+            engine_logprobs(engine, sequences), policy_logprobs(lora.model, sequences)
+            seconds[label].append(time.perf_counter() - started)
+    print(f"{precision} proof seconds (median of {rounds}, alternated): " + "; ".join(
+        f"{label} ({sum(len(p) + len(c) for p, c in arms[label])} tokens) {statistics.median(s):.3f}"
+        for label, s in seconds.items()), flush=True)
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ MOVED = 1e-4
 """nats/token (mean over the probe): a trainer-side change this large must change the engine's scores (delivery)."""
 PROBE_TEXT = " Let me add the numbers one at a time. The answer is 12."
 PROBE_PROMPTS = 1
+PROBE_CONTEXT = 16  # prompt tokens kept before PROBE_TEXT: the proof's cost is two forwards of the probe
 _RAW = SamplingParams()  # temperature 1, no top-k / top-p: the policy's own log-probs
 
 
@@ -231,9 +232,10 @@ class AdapterProof:
 
 
 def probe_sequences(prompt_ids: list[list[int]], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """The fixed probe: each prompt (the task's first PROBE_PROMPTS training prompts) followed by PROBE_TEXT's ids."""
+    """The fixed probe: the last PROBE_CONTEXT tokens of each prompt (the task's first PROBE_PROMPTS training prompts:
+    the question's end and the assistant turn's opening) followed by PROBE_TEXT's ids."""
     completion = list(tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
-    return [(list(p), completion) for p in prompt_ids]
+    return [(list(p)[-PROBE_CONTEXT:], completion) for p in prompt_ids]
 
 
 class ProvenRollouts:
