@@ -45,8 +45,9 @@ TOKEN_MEAN = {
 }
 
 
-def _cfg(policy: str, k: int = 4):
-    return load_config(None, [f"algorithm.data_policy={policy}", f"algorithm.data_policy_top_k={k}"])
+def _cfg(policy: str, k: int = 4):  # 8 prompts a step: a top-k of 5 is a selection there (the table has 3 groups)
+    return load_config(None, [f"algorithm.data_policy={policy}", f"algorithm.data_policy_top_k={k}",
+                              "algorithm.prompts_per_step=8"])
 
 
 def _token_mean_loss(policy: str, k: int) -> float:
@@ -228,3 +229,12 @@ def test_a_trainer_step_applies_the_policy_and_logs_it(tiny_model_dir, tmp_path,
         assert bool(adv.keep[k]) == (g % 4 in (1, 2))
         assert float(advantages[k]) == pytest.approx(grpo[g % 4][i] * weight[g % 4], rel=1e-6, abs=1e-7)
     assert sorted({g % 4 for g, *_ in samples}) == [0, 1, 2, 3]
+
+
+def test_a_top_k_that_keeps_every_group_of_a_step_is_refused_by_name() -> None:
+    from nearpolicy.config.schema import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data_policy_top_k \(4\) keeps every group of a step of prompts_per_step = 4"):
+        load_config(None, ["algorithm.data_policy='top_variance_k'"])
+    assert load_config(None, ["algorithm.data_policy='top_variance_k'", "algorithm.data_policy_top_k=3"])
+    assert load_config(None, ["algorithm.data_policy_top_k=9"])  # another policy: the key is unused

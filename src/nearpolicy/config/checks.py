@@ -68,6 +68,10 @@ def check_batch_divides(a) -> None:
     samples = a.group_size * a.prompts_per_step
     if samples % a.minibatches:
         raise ValueError(f"algorithm.minibatches ({a.minibatches}) must divide group_size * prompts_per_step ({samples})")
+    if a.data_policy == "top_variance_k" and a.data_policy_top_k >= a.prompts_per_step:  # it would select nothing
+        raise ValueError(f"algorithm.data_policy_top_k ({a.data_policy_top_k}) keeps every group of a step of "
+                         f"prompts_per_step = {a.prompts_per_step}: top_variance_k would drop only constant groups; "
+                         "lower it, or use data_policy = 'drop_zero_variance'")
 
 
 def check_correction(c) -> None:
