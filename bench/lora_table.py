@@ -11,7 +11,8 @@ The argument is the arena's folder or its package (tar.gz holding <name>/cells/.
   write + load + the delivery proof), with LoRA's parts `lora/sync_s` (write + load) and `lora/proof_s`, and the
   sync's share of the mean step time over the steps without an eval;
 - step: mean `time/step` over the steps without an eval (seconds);
-- RSS: the largest `memory/peak_rss_mib` (trainer) and `memory/children_peak_rss_mib` (engine process) of the run.
+- RSS: the largest `memory/peak_rss_mib` (trainer) and `memory/children_peak_rss_mib` (its child processes: the
+  engine, the reward scorer, multiprocessing's resource tracker) of the run; "-" for runs without these metrics.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def cell_figures(rows: list[dict]) -> dict[str, float | list]:
         "k3_late": statistics.median(k3[-5:]) if k3 else float("nan"), "sync_s": sync_s, "step_s": step_s,
         "sync_share": sync_s / step_s, "lora_sync_s": _mean([r["lora/sync_s"] for r in train if "lora/sync_s" in r]),
         "proof_s": _mean([r["lora/proof_s"] for r in train if "lora/proof_s" in r]),
-        "rss_mib": max((r.get("memory/peak_rss_mib", 0.0) for r in train), default=float("nan")),
-        "engine_rss_mib": max((r.get("memory/children_peak_rss_mib", 0.0) for r in train), default=float("nan")),
+        "rss_mib": max((r["memory/peak_rss_mib"] for r in train if "memory/peak_rss_mib" in r), default=float("nan")),
+        "engine_rss_mib": max((r["memory/children_peak_rss_mib"] for r in train if "memory/children_peak_rss_mib" in r),
+                              default=float("nan")),
         "steps": len(train),
     }
 
@@ -62,7 +64,7 @@ def _fmt(value, spec: str) -> str:
 def table(cells: Path) -> str:
     """A markdown table, one line per cell folder <arm>__<source>__s<seed> under `cells`."""
     head = ("| cell | steps | eval at " + " / ".join(map(str, EVAL_STEPS)) + " | k3 early / late | sync s (LoRA: "
-            "write+load, proof) | sync share | step s | peak RSS trainer / engine MiB |")
+            "write+load, proof) | sync share | step s | peak RSS trainer / child processes MiB |")
     lines = [head, "|" + "---|" * 8]
     for cell in sorted(p for p in cells.iterdir() if (p / "metrics.jsonl").is_file()):
         f = cell_figures(cell_rows(cell))
@@ -70,7 +72,7 @@ def table(cells: Path) -> str:
         parts = "" if f["lora_sync_s"] != f["lora_sync_s"] else f" ({f['lora_sync_s']:.3f}, {f['proof_s']:.2f})"
         lines.append(f"| {cell.name.replace('__', '/')} | {f['steps']} | {evals} | {_fmt(f['k3_early'], '.2e')} / "
                      f"{_fmt(f['k3_late'], '.2e')} | {f['sync_s']:.2f}{parts} | {f['sync_share']:.1%} | "
-                     f"{f['step_s']:.1f} | {f['rss_mib']:.0f} / {f['engine_rss_mib']:.0f} |")
+                     f"{f['step_s']:.1f} | {_fmt(f['rss_mib'], '.0f')} / {_fmt(f['engine_rss_mib'], '.0f')} |")
     return "\n".join(lines)
 
 

@@ -286,7 +286,8 @@ def test_xrpo_is_off_by_default_and_on_with_its_table(tmp_path: Path):
 
 
 @pytest.mark.parametrize("key, bad", [("novelty_lambda", "-1"), ("novelty_kappa", "-0.5"), ("first_round", "1"),
-                                      ("alpha", "1"), ("alpha", "0"), ("exploration", "-1"), ("seeding", "2")])
+                                      ("alpha", "1"), ("alpha", "0"), ("alpha", "1e-17"), ("exploration", "-1"),
+                                      ("exploration", "0"), ("seeding", "2")])
 def test_xrpo_ranges_name_the_key(key, bad):
     with pytest.raises(ConfigError, match=rf"xrpo\.{key}"):
         load_config(None, [f"xrpo.{key}={bad}"])
@@ -309,3 +310,13 @@ def test_xrpo_refuses_what_it_was_not_built_for_naming_the_keys(sets, named):
         load_config(None, ["xrpo.enabled=true", *sets])
     if not any(s.startswith("xrpo.") for s in sets):
         load_config(None, sets)  # each is fine without [xrpo]
+
+
+@pytest.mark.parametrize("sets, named", [
+    (["xrpo.enabled=false", "xrpo.first_round=3"], r"xrpo\.first_round has no effect while xrpo\.enabled = false"),
+    (["xrpo.novelty=false", "xrpo.novelty_lambda=2"], r"xrpo\.novelty_lambda has no effect while xrpo\.novelty = false"),
+    (["xrpo.allocate=false", "xrpo.alpha=0.2"], r"xrpo\.alpha has no effect while xrpo\.allocate = false"),
+    (["task.mixture_floor=0.5"], r"task\.mixture_floor has no effect while task\.mixture = 'fixed'")])
+def test_settings_that_nothing_reads_are_refused_by_name(sets, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, sets)

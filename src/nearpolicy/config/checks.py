@@ -216,6 +216,16 @@ def check_popo(cfg) -> None:
                          "rollouts of the full model): remove popo.enabled or those settings")
 
 
+def refuse_unused(section, prefix: str, names: list[str], off: str, on: bool) -> None:
+    """Refuse `prefix`.NAME values off their defaults that nothing reads while `on` is false (the setting `off`
+    names): a silently ignored setting is a mistake the user should hear of. Raises ValueError naming them."""
+    fields = type(section).model_fields
+    changed = [n for n in names if getattr(section, n) != fields[n].default]
+    if changed and not on:
+        raise ValueError(f"{', '.join(f'{prefix}.{n}' for n in changed)} has no effect while {off}: remove it, or "
+                         f"change {off.split(' = ')[0]}")
+
+
 def check_xrpo(cfg) -> None:
     """[xrpo]'s rules across sections: something to do (novelty or allocate); a first round of 2 <= first_round <
     algorithm.group_size and seeding only with the allocator; synchronous single-turn rollouts of the full model with
@@ -223,8 +233,11 @@ def check_xrpo(cfg) -> None:
     distillation, whose advantages are per token; no LoRA or MIPU: not combined yet). Raises ValueError naming the
     keys."""
     x, a = cfg.xrpo, cfg.algorithm
+    refuse_unused(x, "xrpo", [k for k in type(x).model_fields if k != "enabled"], "xrpo.enabled = false", x.enabled)
     if not x.enabled:
         return
+    refuse_unused(x, "xrpo", ["novelty_lambda", "novelty_kappa"], "xrpo.novelty = false", x.novelty)
+    refuse_unused(x, "xrpo", ["first_round", "alpha", "exploration"], "xrpo.allocate = false", x.allocate)
     if not (x.novelty or x.allocate):
         raise ValueError("[xrpo] with xrpo.novelty = false and xrpo.allocate = false does nothing: turn one on, or set "
                          "xrpo.enabled = false")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from nearpolicy.config.checks import refuse_unused
+
 
 def check_mixture(cfg) -> None:
     """task.mixture = "adaptive" needs a mixture (task.kind reasoning_gym, task.name composite) and the synchronous
     single-turn rollouts it draws for (no replicas, episodes, POPO replay or R-OPD switch: they pick their problems
     elsewhere, replicas ahead of the feedback). Raises ValueError naming the keys."""
     t = cfg.task
-    if t.mixture != "adaptive":
+    adaptive = t.mixture == "adaptive"
+    refuse_unused(t, "task", ["mixture_decay", "mixture_floor"], f"task.mixture = {t.mixture!r}", adaptive)
+    if not adaptive:
         return
     if t.kind != "reasoning_gym" or t.name != "composite":
         raise ValueError(f"task.mixture = 'adaptive' reweights the datasets of a mixture, and task.kind = {t.kind!r} / "

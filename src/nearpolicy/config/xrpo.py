@@ -36,11 +36,12 @@ class XrpoConfig(Section):
     priority (t-interval half-width reduction + exploration bonus), one at a time; off: every group has group_size."""
     first_round: int | None = Field(None, ge=2)
     """Samples of each prompt before the allocation (>= 2, < algorithm.group_size); unset: group_size // 2, at least 2."""
-    alpha: float = Field(0.05, gt=0, lt=1)
+    alpha: float = Field(0.05, ge=1e-6, lt=1)
     """The half-width's confidence level is 1 - alpha (Student-t quantile t_{1 - alpha/2, n - 1})."""
-    exploration: float = Field(0.1, ge=0, le=100)
+    exploration: float = Field(0.1, gt=0, le=100)
     """lambda of the allocator's exploration bonus lambda sqrt(ln(1 + T) / n_q) (T: the step being collected, from 1;
-    reward units, as the half-width)."""
+    reward units, as the half-width). Above 0: at 0 a step whose groups are all constant (every priority 0) would give
+    its whole budget to the first prompt (ties go to the lowest index)."""
     seeding: StrictBool = False
     """In-context seeding (reconstructed): the extra samples (two or more) of a prompt whose first round scored all 0
     are drawn with a problem the run solved earlier (its question and a full-reward response, as a user / assistant

@@ -67,14 +67,19 @@ def release_freed_memory() -> None:
 
 def peak_memory() -> dict[str, float]:
     """Peak resident memory so far, MiB: `memory/peak_rss_mib` of this (the trainer's) process (ru_maxrss), and
-    `memory/children_peak_rss_mib`, the sum of the peaks (VmHWM) of its live child processes (engine and scoring
-    processes; a sum of peaks, so at least the peak of the sum). Linux /proc for the children; elsewhere 0."""
+    `memory/children_peak_rss_mib`, the sum of the peaks (VmHWM) of its live direct child processes (the engine and
+    scoring processes, multiprocessing's resource tracker; not their own children, e.g. vLLM's engine core; a sum of
+    peaks, so at least the peak of the sum, and it drops when a child ends). Linux /proc for the children; else 0."""
     children = 0.0
     for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        for pid in task.read_text().split():
+        try:  # a thread or a child may end between the listing and the read
+            pids = task.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
-            except OSError:  # ended since the list was read
+            except OSError:
                 continue
             children += next((int(line.split()[1]) / 1024 for line in status.splitlines()
                               if line.startswith("VmHWM:")), 0.0)
