@@ -257,3 +257,17 @@ def test_the_dose_recovery_file_is_what_the_script_prints_from_the_committed_cel
     printed = subprocess.run([sys.executable, str(root / "bench/dose_recovery.py")], check=True, capture_output=True,
                              text=True).stdout
     assert printed == (root / "docs/arena-runs/dose-recovery.txt").read_text()
+
+
+def test_the_lora_table_is_what_the_script_prints_from_the_committed_cells():
+    """docs/results.md sec. 16's table (docs/bench/lora-table.md) is bench/lora_table.py's output on the committed
+    LoRA arena package (rerun the script after changing either)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    printed = subprocess.run([sys.executable, str(root / "bench/lora_table.py"),
+                              str(root / "docs/arena-runs/arena-lora.tar.gz")], check=True, capture_output=True,
+                             text=True).stdout
+    committed = (root / "docs/bench/lora-table.md").read_text()
+    assert printed == committed
+    assert committed in (root / "docs/results.md").read_text()
