@@ -397,3 +397,26 @@ def test_resume_past_a_checkpoint_damaged_after_its_weights_restarts_from_the_in
     assert any("is not loadable" in m for m in logs) and any("starting from step 0" in m for m in logs)
     assert resumed.state.step == 0
     assert all(torch.equal(initial[k], v) for k, v in _weights(resumed).items())
+
+
+def test_a_checkpoint_that_cannot_be_written_is_said_once_with_the_resume_command(tmp_path):
+    """The new-user trial's full disk: the error named the intact checkpoint twice ("... is intact at step 10; the
+    last checkpoint ... is intact"), the first time as if it held step 10."""
+    from types import SimpleNamespace
+
+    from nearpolicy.runs.folder import CheckpointError
+    from nearpolicy.training.run import fit
+
+    said = ("could not write checkpoint c/checkpoints/step_000010 (No space left on device); the previous checkpoint "
+            "c/checkpoints/step_000008 is intact")
+
+    def fails(stop, progress=True):
+        raise CheckpointError(said)
+
+    trainer = SimpleNamespace(fit=fails, run_dir=tmp_path / "c", state=SimpleNamespace(step=10), cfg=None,
+                              close=lambda: None)
+    rc, message = fit(trainer, SimpleNamespace(signum=None))
+    assert rc == 1
+    assert message.startswith(f"error at step 10: {said} (continue: ")
+    assert message.endswith(f"train --resume {tmp_path / 'c'})")  # the command as this process was started
+    assert message.count("is intact") == 1

@@ -113,6 +113,7 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
     from elsewhere). Closes the trainer's engine replicas whatever happens."""
     from nearpolicy.engines.base import EngineError
     from nearpolicy.engines.base import EngineDied
+    from nearpolicy.runs.folder import CheckpointError
     from nearpolicy.signals import StopRequested
     from nearpolicy.tasks.scoring import ScoringError
 
@@ -131,6 +132,10 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
                                        f"progress was not completed; {where}")
         return 1, (f"error: {died}\n{where}; engine.precision and engine.extra_buffers may change on --resume\n"
                    f"{engine_advice(trainer.cfg)}")
+    except CheckpointError as err:  # its message already names the checkpoint left intact
+        from nearpolicy.signals import resume_command
+
+        return 1, f"error at step {trainer.state.step}: {err} (continue: {resume_command(trainer.run_dir)})"
     except (KeyboardInterrupt, EngineError, ScoringError, ValueError, FloatingPointError, OSError) as err:
         where = last_checkpoint_said(trainer.run_dir, trainer.state.step)
         reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"error: {err}"
