@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_vllm_engine import PROMPT, _start, _tiny_model
 
-from nearpolicy.config.schema import load_config
+from nearpolicy.config.schema import ConfigError, load_config
 from nearpolicy.engines.base import EngineError, LoraAdapter
 from nearpolicy.engines.factory import kind_of
 from nearpolicy.engines.gguf.lora_adapter import LLAMA_TARGETS
@@ -210,3 +210,10 @@ def test_a_lora_run_opens_the_engine_with_its_rank_so_the_first_adapter_needs_no
 
     assert engine_request(load_config(None, ["engine.kind='vllm'", "lora.rank=4"])).lora_rank == 4
     assert engine_request(load_config(None, ["engine.kind='vllm'"])).lora_rank == 0
+
+
+def test_a_rank_vllm_cannot_take_is_refused_by_the_config() -> None:
+    with pytest.raises(ConfigError, match=r"lora\.rank = 600: engine\.kind = 'vllm' takes LoRA ranks up to 512"):
+        load_config(None, ["engine.kind='vllm'", "lora.rank=600"])
+    assert load_config(None, ["engine.kind='vllm'", "lora.rank=512"]).lora.rank == 512
+    assert load_config(None, ["lora.rank=600"]).lora.rank == 600  # llama.cpp takes it

@@ -66,6 +66,9 @@ def check_lora(cfg) -> None:
     if "lora" not in kind.options:
         raise ValueError(f"[lora] needs an engine that takes LoRA adapters; engine.kind = {cfg.engine.kind!r} does not "
                          f"(use {' or '.join(repr(k.name) for k in ENGINES.values() if 'lora' in k.options)})")
+    if kind.lora_max_rank is not None and cfg.lora.rank > kind.lora_max_rank:  # else it fails when the engine opens
+        raise ValueError(f"lora.rank = {cfg.lora.rank}: engine.kind = {cfg.engine.kind!r} takes LoRA ranks up to "
+                         f"{kind.lora_max_rank}")
     others = {"rollout.engines >= 1": cfg.rollout.engines > 0, "episode.enabled": cfg.episode.enabled,
               "algorithm.precision_alignment = 'engine'": cfg.algorithm.precision_alignment == "engine",
               "mipu.enabled": cfg.mipu.enabled, "distill.ropd": cfg.distill.ropd,

@@ -23,7 +23,7 @@ from nearpolicy.engines.base import LLAMA_MAX_SEQ, RolloutEngine
 from nearpolicy.engines.gguf.export import PRECISIONS as GGUF_PRECISIONS
 from nearpolicy.engines.gguf.precision_map import describe as describe_precision_map
 from nearpolicy.engines.hf import DTYPES as HF_DTYPES
-from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES
+from nearpolicy.engines.vllm_child import DTYPES as VLLM_DTYPES, LORA_RANKS as VLLM_LORA_RANKS
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ class EngineKind:
     precision; `lora_adapter`: under [lora], the LoraAdapter field its update_weights reads ("gguf": a GGUF LoRA
     file, "tensors": the adapter's tensors, "peft_dir": a PEFT folder); `lora_tolerances`: (precision, nats/token)
     pairs where the [lora] sync proof's default agreement tolerance for this kind differs from
-    training/lora_sync.PROOF_TOLERANCE's per precision (its arithmetic measured apart, docs/lora.md)."""
+    training/lora_sync.PROOF_TOLERANCE's per precision (its arithmetic measured apart, docs/lora.md); `lora_max_rank`:
+    the largest lora.rank it takes (None: no limit of its own)."""
 
     name: str
     precisions: tuple[str, ...]
@@ -115,6 +116,7 @@ class EngineKind:
     max_parallel_why: str = ""
     lora_adapter: Literal["gguf", "tensors", "peft_dir"] = "tensors"
     lora_tolerances: tuple[tuple[str, float], ...] = ()
+    lora_max_rank: int | None = None
 
 
 ENGINES: dict[str, EngineKind] = {}
@@ -190,7 +192,8 @@ def _hf(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
 
 
 @engine_kind("vllm", tuple(VLLM_DTYPES), "state_dict", "vllm_dtype", options=frozenset({"lora"}),
-             lora_adapter="peft_dir", lora_tolerances=(("bf16", 0.2),))  # bf16: up to 0.059 measured, docs/lora.md
+             lora_adapter="peft_dir", lora_tolerances=(("bf16", 0.2),),  # bf16: up to 0.059 measured, docs/lora.md
+             lora_max_rank=VLLM_LORA_RANKS[-1])
 def _vllm(request: EngineRequest, inputs: EngineInputs) -> RolloutEngine:
     from nearpolicy.engines.vllm_engine import VLLMProcessEngine, vllm_python
 
