@@ -18,19 +18,33 @@ The argument is the arena's folder or its package (tar.gz holding <name>/cells/.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tarfile
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from nearpolicy.runs.folder import read_metrics
 
 EVAL_STEPS = (0, 10, 20, 30)
 
 
 def cell_rows(cell: Path) -> list[dict]:
-    """The cell's metrics rows in step order."""
-    rows = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return sorted(rows, key=lambda r: r["step"])
+    """The cell's metrics rows in step order (runs/folder.read_metrics)."""
+    return sorted(read_metrics(cell).rows, key=lambda r: r["step"])
+
+
+@contextmanager
+def arena_cells(arena: Path) -> Iterator[Path]:
+    """The cells folder of an arena folder, or of its tar.gz package (unpacked into a temporary folder while open)."""
+    if arena.is_dir():
+        yield arena / "cells"
+        return
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(arena) as tar:
+        tar.extractall(tmp, filter="data")
+        (folder,) = [p for p in Path(tmp).iterdir() if (p / "cells").is_dir()]
+        yield folder / "cells"
 
 
 def _mean(values: list[float]) -> float:
@@ -79,14 +93,8 @@ def table(cells: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("arena", type=Path, help="the arena folder, or its tar.gz package")
-    arena = parser.parse_args().arena
-    if arena.is_dir():
-        print(table(arena / "cells"))
-        return
-    with tempfile.TemporaryDirectory() as tmp, tarfile.open(arena) as tar:
-        tar.extractall(tmp, filter="data")
-        (folder,) = [p for p in Path(tmp).iterdir() if (p / "cells").is_dir()]
-        print(table(folder / "cells"))
+    with arena_cells(parser.parse_args().arena) as cells:
+        print(table(cells))
 
 
 if __name__ == "__main__":

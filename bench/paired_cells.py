@@ -8,33 +8,33 @@ discordant counts of the final eval (problems only A solved / only B solved, sum
 
 A pair is ARM/SOURCE:ARM/SOURCE (A minus B); the seeds are those both have finished (every eval of a cell recorded in
 its eval_outcomes.jsonl). The AUC is each problem's mean reward over the eval curve (trapezoid from step 0 to the last
-eval, divided by the steps), then averaged like the accuracy.
+eval, divided by the steps: arena/outcomes.trapezoid), then averaged like the accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tarfile
-import tempfile
 from pathlib import Path
 
 import numpy as np
+from lora_table import arena_cells
 
+from nearpolicy.arena.outcomes import trapezoid
 from nearpolicy.arena.paired import paired_bootstrap
+from nearpolicy.runs.samples import read_outcomes
 
 
 def evals(cell: Path) -> dict[int, np.ndarray]:
-    """step -> rewards [P] of the cell's evals (eval_outcomes.jsonl)."""
-    rows = [json.loads(line) for line in (cell / "eval_outcomes.jsonl").read_text().splitlines() if line.strip()]
+    """step -> rewards [P] of the cell's evals (runs/samples.read_outcomes; an unscorable reward is NaN)."""
+    rows, _ = read_outcomes(cell)
     return {r["step"]: np.asarray(r["rewards"], dtype=np.float64) for r in rows}
 
 
 def auc(curve: dict[int, np.ndarray]) -> np.ndarray:
-    """Per problem [P]: the trapezoid under its reward over the eval steps, divided by the span of steps."""
+    """Per problem [P]: the arena's trapezoid (arena/outcomes.trapezoid) of its reward from step 0 to the last eval."""
     steps = sorted(curve)
-    values = np.stack([curve[s] for s in steps])
-    return np.trapezoid(values, x=steps, axis=0) / (steps[-1] - steps[0])
+    return np.array([trapezoid([(s, curve[s][p]) for s in steps], steps[-1]) for p in range(len(curve[steps[0]]))])
 
 
 def finished(cells: Path, arm: str, source: str) -> dict[int, dict[int, np.ndarray]]:
@@ -42,7 +42,7 @@ def finished(cells: Path, arm: str, source: str) -> dict[int, dict[int, np.ndarr
     out = {}
     for cell in sorted(cells.glob(f"{arm}__{source}__s*")):
         steps = json.loads((cell / "config.json").read_text())["run"]["steps"]
-        curve = evals(cell) if (cell / "eval_outcomes.jsonl").is_file() else {}
+        curve = evals(cell)
         if steps in curve:
             out[int(cell.name.rsplit("__s", 1)[1])] = curve
     return out
@@ -81,13 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     header = ["| A:B | outcome | seeds | A vs B | A - B, 95 % CI (problems x seeds), MDE | verdict |",
               "|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = args.arena
-        if not folder.is_dir():
-            with tarfile.open(folder) as tar:
-                tar.extractall(tmp, filter="data")
-            (folder,) = [p for p in Path(tmp).iterdir() if (p / "cells").is_dir()]
-        print("\n".join(header + [line for pair in args.pairs for line in compare(folder / "cells", pair)]))
+    with arena_cells(args.arena) as cells:
+        print("\n".join(header + [line for pair in args.pairs for line in compare(cells, pair)]))
 
 
 if __name__ == "__main__":

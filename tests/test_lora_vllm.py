@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-import torch
+from test_lora import _probe, _randomise
 from test_vllm_engine import PROMPT, _start, _tiny_model
 
 from nearpolicy.config.schema import ConfigError, load_config
@@ -39,20 +39,6 @@ needs_vllm = pytest.mark.skipif(not _has_vllm(), reason=".venv-vllm is missing (
 
 def _lora(rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] = LLAMA_TARGETS):
     return attach_lora(_tiny_model(), rank, alpha, 0.0, targets, seed=0, base_gguf=None)
-
-
-def _randomise(lora, std: float, seed: int) -> None:
-    """lora_B ~ N(0, std^2): an adapter that moves the probe (lora_A keeps PEFT's init)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, module in lora.lora_layers():
-            w = module.lora_B["default"].weight
-            w.copy_(torch.randn(w.shape, generator=g) * std)
-
-
-def _probe(n: int = 3, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(3, 49152, 12).tolist(), rng.integers(3, 49152, 10).tolist()) for _ in range(n)]
 
 
 def test_vllm_takes_adapters_as_peft_folders(tmp_path):

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from nearpolicy.config.checks import check_distill, check_rollout, check_turn_credit, registered
+from nearpolicy.config.checks import check_distill, check_rollout, check_turn_credit, refuse_unused, registered
 from nearpolicy.ops.mipu import MIPU_LEVELS
 from nearpolicy.ops.turn_credit import DEFAULT_ANSWER_FORMAT, TURN_CREDIT, TurnCreditParams
 
@@ -128,11 +128,8 @@ class MipuConfig(Section):
     @model_validator(mode="after")
     def _settings_need_enabled(self) -> "MipuConfig":
         """A mipu.* value off its default while MIPU is off would be silently ignored: refuse it by name."""
-        changed = [k for k, field in type(self).model_fields.items()
-                   if k != "enabled" and getattr(self, k) != field.default]
-        if changed and not self.enabled:
-            raise ValueError(f"{', '.join('mipu.' + k for k in changed)} has no effect while mipu.enabled = false: "
-                             "set mipu.enabled = true, or remove it")
+        refuse_unused(self, "mipu", [k for k in type(self).model_fields if k != "enabled"], "mipu.enabled = false",
+                      self.enabled)
         return self
 
 
