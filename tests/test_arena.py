@@ -105,6 +105,18 @@ def test_bad_arena_files_are_refused_naming_the_problem(tmp_path, edit, match):
         load_arena(_arena(tmp_path, edit(ARENA)))
 
 
+def test_arms_may_differ_in_the_task_mixture_which_draws_training_problems_only(tmp_path):
+    composite = BASE.replace("[task]\n", "[task]\nname = 'composite'\n"
+                             "options = {datasets=[{name='chain_sum', weight=1}, {name='products', weight=1}]}\n")
+    text = ARENA.replace('preset = "off" }', 'preset = "off", set = ["task.mixture=\'fixed\'"] }').replace(
+        'set = ["correction.upper=3.0"]', 'set = ["task.mixture=\'adaptive\'", "task.mixture_decay=0.5"]')
+    spec = load_arena(_arena(tmp_path, text, base=composite))
+    tasks = {c.id: (c.config.task.mixture, c.config.task.mixture_decay) for c in spec.cells if c.seed == 0}
+    assert tasks["off/q8/s0"][0] == "fixed" and tasks["tis/q8/s0"] == ("adaptive", 0.5)
+    with pytest.raises(ArenaError, match="task.eval_size = 8 but"):  # the held-out set itself still may not differ
+        load_arena(_arena(tmp_path, text.replace("task.mixture_decay=0.5", "task.eval_size=8"), base=composite))
+
+
 def _row(step, acc=None, k3=None, rejected=0.0, high=0.0, low=0.0, seconds=2.0):
     row = {"step": step}
     if step:

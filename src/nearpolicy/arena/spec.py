@@ -61,7 +61,9 @@ ARENA_KEYS = ("base", "seeds", "set", "out", "baseline", "keep_checkpoints", "st
 SAME_KEYS = ("run.steps", "logging.eval_every", "logging.eval_policy", "sampling.max_new_tokens",
              "algorithm.prompts_per_step", "algorithm.group_size")
 """The budget and the held-out eval: every cell must agree on these (and on every task.* key) unless arena.vary
-lists the key (task.* never: the held-out set must be the same problems)."""
+lists the key (task.* never: the held-out set must be the same problems), except DRAW_KEYS."""
+DRAW_KEYS = ("mixture", "mixture_decay", "mixture_floor")
+"""task.* keys that only choose which training problems a step draws (the held-out eval is the same): arms may differ."""
 TOP_KEYS = ("arena", "corrections", "sources", "override")
 
 
@@ -369,7 +371,7 @@ def _cells(spec: ArenaSpec, base: dict, common: tuple[str, ...], overrides) -> l
 
 def _budget(cell: Cell, vary: frozenset[str]) -> dict[str, Any]:
     config = cell.config.model_dump(mode="json")
-    keys = {f"task.{k}": v for k, v in config["task"].items()}
+    keys = {f"task.{k}": v for k, v in config["task"].items() if k not in DRAW_KEYS}
     for key in SAME_KEYS:
         if key not in vary:
             section, name = key.split(".")
