@@ -60,6 +60,7 @@ def test_a_python_reward_trains_through_the_api_and_its_rewards_are_logged(tiny_
     assert [row["step"] for row in result.metrics] == [0, 1, 2]
     first, last = result.metrics[0]["eval/accuracy"], result.metrics[2]["eval/accuracy"]
     best_step = max((0, 2), key=lambda step: result.metrics[step]["eval/accuracy"])  # the first of equals
+    assert f"step 0 eval accuracy {first:.3f}" in lines and f"step 2 eval accuracy {last:.3f}" in lines
     assert lines[-1] == result.message and result.message.startswith(
         f"done: eval accuracy {first:.3f} (step 0) -> {last:.3f} (step 2), best "
         f"{result.metrics[best_step]['eval/accuracy']:.3f} (step {best_step}); metrics in ")

@@ -287,12 +287,12 @@ class Trainer:
                 raise StopRequested(stop.signum, self.state.step, self._checkpoint_on_stop())
             t0 = time.perf_counter()
             metrics = self.train_step()
-            self.state.step += 1
-            step = self.state.step
+            self.state.step = step = self.state.step + 1
             metrics |= self.guard.observe(step, metrics, self.log)
             if step % cfg.logging.eval_every == 0 or step == cfg.run.steps:
                 bar.set_postfix(self.postfix | {"phase": "eval"})
                 metrics |= self.evaluate()
+                self.log(f"step {step} eval accuracy {metrics['eval/accuracy']:.3f}")
             metrics |= {"time/step": time.perf_counter() - t0, **peak_memory()}
             self.metrics.write(step, metrics)
             self.postfix = progress_postfix(metrics, self.postfix)
