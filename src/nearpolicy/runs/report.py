@@ -226,12 +226,21 @@ def run_summary(run: Run) -> dict[str, str]:
     return {
         "run": run.name, "model": str(model or "unknown (no config.json)"), **describe_run(run.config, run.plan),
         "steps": f"{steps} of {planned}" if planned else str(steps),
-        "final eval accuracy": f"{evals[-1][1]:.3f} (step {evals[-1][0]})" if evals else NOT_RECORDED,
+        "final eval accuracy": _final_eval(evals, steps),
         "peak eval accuracy": f"{peak[1]:.3f} (step {peak[0]})" if peak else NOT_RECORDED,
         "median k3 (discrepancy)": f"{statistics.median(k3):.3g} nats" if k3 else NOT_RECORDED,
         "total time (sum of step times)": f"{seconds / 60:.1f} min" if seconds else NOT_RECORDED,
         "rollout vs roofline bound": roofline_text(run.rows) or NOT_RECORDED,
     }
+
+
+def _final_eval(evals: list[tuple[int, float]], steps: int) -> str:
+    """The last eval, saying so when later steps ran without one (a stopped run: not the run's final accuracy)."""
+    if not evals:
+        return NOT_RECORDED
+    step, accuracy = evals[-1]
+    later = f"step {steps} ran" if step + 1 == steps else f"steps {step + 1}-{steps} ran"
+    return f"{accuracy:.3f} (step {step})" + (f"; {later} without an eval" if step < steps else "")
 
 
 def legend_name(run: Run) -> str:
