@@ -159,11 +159,14 @@ def check_same_config(saved_path: Path, cfg: Config) -> None:
                and not (f"{section}.{key}" in PATH_KEYS and _same_location(f"{section}.{key}", saved, now, plan))]
     steps_then = saved.get("run", {}).get("steps", default["run"]["steps"])
     if steps_then != cfg.run.steps and cfg.algorithm.lr_schedule != "constant":
+        longer = cfg.run.steps > steps_then
+        instead = ("train longer in a new run.name, or from this run's exported checkpoint with --set model.path=...; "
+                   "algorithm.lr_schedule = 'constant' runs can be extended" if longer else
+                   f"resume with run.steps = {steps_then} and stop it when you like: every checkpoint is exportable")
         raise RunExistsError(f"--resume with run.steps {steps_then} -> {cfg.run.steps}: with algorithm.lr_schedule = "
                              f"{cfg.algorithm.lr_schedule!r} run.steps is the schedule's length, so every later step's "
-                             "learning rate would change, so the run cannot be extended (train longer in a new "
-                             "run.name, or from this run's exported checkpoint with --set model.path=...; "
-                             "algorithm.lr_schedule = 'constant' runs can be extended)")
+                             f"learning rate would change, so the run cannot be {'extended' if longer else 'shortened'} "
+                             f"({instead})")
     if changed:
         allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
         raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
