@@ -267,3 +267,14 @@ def test_the_config_keys_their_defaults_and_nearpolicy_list(capsys):
 def test_the_config_refuses_what_the_mixture_cannot_do(sets, named):
     with pytest.raises(ConfigError, match=named):
         load_config(None, sets)
+
+
+def test_a_dataset_without_training_problems_is_refused_by_the_dry_run_before_anything_loads():
+    from nearpolicy.training.assemble import dry_plan
+
+    rare = ["task.name=composite", "task.train_size=8", "task.eval_size=4", "task.mixture=adaptive",
+            "task.options={datasets=[{name='chain_sum', weight=1}, {name='products', weight=1e-9}]}"]
+    with pytest.raises(ValueError, match=r"dataset\(s\) products have no problem among the 8 training problems"):
+        dry_plan(load_config(None, rare))
+    plan = dry_plan(load_config(None, [*rare[:-1], rare[-1].replace("1e-9", "1")]))  # both drawn: the plan is made
+    assert plan["model_file"]

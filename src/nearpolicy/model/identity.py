@@ -233,6 +233,17 @@ def check_same_vocabulary(policy: ModelFacts, teacher: ModelFacts) -> None:
                          "distillation needs the policy's tokenizer")
 
 
+def check_teacher(policy: ModelFacts, teacher: str) -> None:
+    """distill.teacher `teacher` resolves (model/load.resolve_model) to a model of the policy's vocabulary size.
+    Raises ValueError starting "distill.teacher: " for a missing path or another vocabulary size."""
+    from nearpolicy.model.load import resolve_model
+
+    try:
+        check_same_vocabulary(policy, model_facts(resolve_model(teacher)))
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"distill.teacher: {err}") from None
+
+
 def check_support(facts: ModelFacts, config) -> None:
     """Refuse, before anything loads, a run whose `config` (a nearpolicy Config) selects a piece of SUPPORT that
     does not run `facts.architecture`, or asks for the model's own chat template (model.chat_template = "auto")

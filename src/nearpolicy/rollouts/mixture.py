@@ -43,8 +43,13 @@ def mixture_datasets(options: dict) -> tuple[list[str], list[float]]:
     return [str(d["name"]) for d in datasets], [float(d.get("weight", 1.0)) for d in datasets]
 
 
+def dataset_pools(task: Task, options: dict) -> list[list[Problem]]:
+    """Each dataset's training problems of `task` (a composite with task.options `options`), in the datasets' order,
+    each in training-set order (by metadata.source_dataset). Raises ValueError naming the datasets without one."""
+    return _pools(task, mixture_datasets(options)[0])
+
+
 def _pools(task: Task, names: list[str]) -> list[list[Problem]]:
-    """Each dataset's training problems of `task` (a composite), in training-set order, by metadata.source_dataset."""
     pools: dict[str, list[Problem]] = {name: [] for name in names}
     for index in range(task.train_size):
         problem = task.train_problem(index)

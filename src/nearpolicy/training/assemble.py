@@ -19,7 +19,7 @@ from nearpolicy.model.load import chat_prompt_ids, pad_token_id, stop_token_ids
 from nearpolicy.model.lora import LoraPolicy
 from nearpolicy.ops.correction_presets import describe_correction
 from nearpolicy.rollouts.base import RolloutSource
-from nearpolicy.rollouts.mixture import adaptive_mixture
+from nearpolicy.rollouts.mixture import adaptive_mixture, dataset_pools
 from nearpolicy.tasks import Problem, Task, make_task
 from nearpolicy.tasks.factory import describe_task
 from nearpolicy.training.distillation import GradientProbe, UpdateDistill
@@ -89,21 +89,13 @@ def sampling_params(cfg: Config) -> SamplingParams:
 def build_session(cfg: Config, run_dir: Path, log) -> Session:
     """Load the policy (float32), its optimizer, reference and teacher, and build the task. The task and the
     teacher's path are checked before the policy loads (tens of seconds), so a typo fails fast."""
-    from nearpolicy.model.identity import check_same_vocabulary, check_support, model_facts
-    from nearpolicy.model.load import load_policy, resolve_model
+    from nearpolicy.model.load import load_policy
     from nearpolicy.model.templates import use_chat_template
 
     torch.set_num_threads(cfg.run.threads)
     reuse_freed_memory(cfg.run.reuse_freed_memory)
-    resolved = resolve_model(cfg.model.path)
-    check_support(model_facts(resolved), cfg)  # an architecture a configured piece cannot run: refused before loading
-    task = build_task(cfg)
+    resolved, task = checked_before_loading(cfg)
     log(describe_task(task))
-    if cfg.distill.teacher is not None:
-        try:
-            check_same_vocabulary(model_facts(resolved), model_facts(resolve_model(cfg.distill.teacher)))
-        except (FileNotFoundError, ValueError) as err:
-            raise ValueError(f"distill.teacher: {err}") from None
     log(f"loading the policy {resolved.path} ({resolved.kind}) in float32...")
     model, tokenizer = load_policy(cfg.model.path)
     use_chat_template(tokenizer, cfg.model.chat_template)
@@ -201,19 +193,25 @@ def _describe_episodes(cfg: Config) -> str:
 
 
 def dry_plan(cfg: Config) -> dict:
-    """run_plan without loading a model: the model and teacher paths are resolved and the task is built (seconds).
-    Raises what build_session raises for a bad model.path, distill.teacher or task."""
-    from nearpolicy.model.identity import check_same_vocabulary, check_support, model_facts
+    """run_plan without loading a model (seconds). Raises what checked_before_loading raises."""
+    return run_plan(cfg, *checked_before_loading(cfg))
+
+
+def checked_before_loading(cfg: Config):
+    """(resolved model.path, task), checked before any model loads: the configured pieces run the architecture, the
+    task builds (an adaptive mixture finds each dataset's training problems), distill.teacher has the policy's
+    vocabulary size. Raises FileNotFoundError / ValueError naming the key."""
+    from nearpolicy.model.identity import check_support, check_teacher, model_facts
     from nearpolicy.model.load import resolve_model
 
     resolved = resolve_model(cfg.model.path)
-    check_support(model_facts(resolved), cfg)
+    check_support(model_facts(resolved), cfg)  # an architecture a configured piece cannot run
+    task = build_task(cfg)
+    if cfg.task.mixture == "adaptive":
+        dataset_pools(task, cfg.task.resolved_options())
     if cfg.distill.teacher is not None:
-        try:
-            check_same_vocabulary(model_facts(resolved), model_facts(resolve_model(cfg.distill.teacher)))
-        except (FileNotFoundError, ValueError) as err:
-            raise ValueError(f"distill.teacher: {err}") from None
-    return run_plan(cfg, resolved, build_task(cfg))
+        check_teacher(model_facts(resolved), cfg.distill.teacher)
+    return resolved, task
 
 
 def engine_request(cfg: Config, threads: int | None = None) -> EngineRequest:
