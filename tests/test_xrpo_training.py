@@ -295,7 +295,9 @@ def test_xrpo_ranges_name_the_key(key, bad):
 
 @pytest.mark.parametrize("sets, named", [
     (["xrpo.first_round=8"], r"xrpo\.first_round = 8 .*algorithm\.group_size \(8\)"),
-    (["algorithm.group_size=2", "engine.max_parallel_sequences=2"], r"xrpo\.first_round = 2"),
+    (["algorithm.group_size=2", "engine.max_parallel_sequences=2"],
+     r"xrpo\.first_round \(unset: 2\) leaves .*\(2\); set algorithm\.group_size >= 3, or"),
+    (["xrpo.first_round=true"], r"xrpo\.first_round.*valid integer"),
     (["xrpo.novelty=false", "xrpo.allocate=false"], r"xrpo\.novelty = false and xrpo\.allocate = false"),
     (["xrpo.allocate=false", "xrpo.seeding=true"], r"xrpo\.seeding .*xrpo\.allocate = true"),
     (["rollout.engines=1", "rollout.staleness=1"], r"rollout\.engines"),

@@ -5,7 +5,7 @@ Its rules across sections are config/checks.check_xrpo."""
 
 from __future__ import annotations
 
-from pydantic import Field, StrictBool, model_validator
+from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from nearpolicy.config.sections import Section
 
@@ -34,7 +34,7 @@ class XrpoConfig(Section):
     allocate: StrictBool = True
     """The rollout allocator: first_round samples per prompt, the step's remaining samples to the prompts of highest
     priority (t-interval half-width reduction + exploration bonus), one at a time; off: every group has group_size."""
-    first_round: int | None = Field(None, ge=2)
+    first_round: StrictInt | None = Field(None, ge=2)
     """Samples of each prompt before the allocation (>= 2, < algorithm.group_size); unset: group_size // 2, at least 2."""
     alpha: float = Field(0.05, ge=1e-6, lt=1)
     """The half-width's confidence level is 1 - alpha (Student-t quantile t_{1 - alpha/2, n - 1})."""
