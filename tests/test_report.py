@@ -367,3 +367,11 @@ def test_a_stopped_runs_last_eval_says_the_later_steps_had_none(tmp_path: Path):
     assert summary["peak eval accuracy"] == "0.500 (step 2)"
     finished = run_summary(load_run(_write_run(tmp_path / "done", rows[:3])))
     assert finished["final eval accuracy"] == "0.500 (step 2)"
+
+
+def test_a_panel_with_every_point_at_one_step_spans_a_step_either_side():
+    fig = panel_figure(PANELS[1], [Run("one-eval", [{"step": 0, "eval/accuracy": 0.25}, {"step": 1}])])
+    assert fig.axes[0].get_xlim() == (-1.0, 1.0)
+    fig = panel_figure(PANELS[1], [Run("two", [{"step": 0, "eval/accuracy": 0.25}, {"step": 4, "eval/accuracy": 0.5}])])
+    low, high = fig.axes[0].get_xlim()
+    assert -1 < low < 0 and 4 < high < 5  # matplotlib's own margins when the points span steps

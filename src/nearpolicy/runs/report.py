@@ -188,6 +188,9 @@ def panel_figure(panel: Panel, runs: Sequence[Run]) -> Figure | None:
     if drawn:
         ax.set_yscale("log" if panel.log_y else "linear")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        low, high = ax.dataLim.intervalx
+        if high - low < 1:  # every point at one step: matplotlib's default span (+-5 %) is a fraction of a step
+            ax.set_xlim(low - 1, high + 1)
         labels = len(ax.get_legend_handles_labels()[1])  # below the axes, so no legend covers a line
         fig.legend(loc="outside lower center", ncols=min(labels, 3), fontsize=8, frameon=False)
     else:
