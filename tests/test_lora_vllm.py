@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,6 +68,10 @@ def test_adapter_weights_write_a_peft_folder_per_sync(tmp_path):
     assert (tmp_path / "peft-adapter-3" / "adapter_model.safetensors").is_file()
     with pytest.raises(ValueError, match="adapter form 'npz'"):
         AdapterWeights(lora, "npz", tmp_path)
+    (tmp_path / "peft-adapter-9").mkdir()  # a later process (a resumed run) removes every earlier process's folder
+    resumed = AdapterWeights(lora, "peft_dir", tmp_path)
+    assert Path(resumed().peft_dir).name == "peft-adapter-1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peft-adapter-1"]
 
 
 @pytest.fixture(scope="module")

@@ -150,9 +150,11 @@ class AdapterWeights:
     def _write_peft(self) -> Path:
         """The adapter as a PEFT folder of its own (adapter_config.json + adapter_model.safetensors, float32)."""
         started = time.perf_counter()
+        if self.syncs == 0:  # a previous process's folders (a resumed run counts from 1 again)
+            for stale in self.folder.glob("peft-adapter-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         self.syncs += 1
         target = self.folder / f"peft-adapter-{self.syncs}"
-        shutil.rmtree(target, ignore_errors=True)  # a resumed run counts from 1 again
         self.lora.peft_model.save_pretrained(str(target))
         shutil.rmtree(self.folder / f"peft-adapter-{self.syncs - 2}", ignore_errors=True)
         self.write_s = time.perf_counter() - started
