@@ -117,6 +117,22 @@ def test_arms_may_differ_in_the_task_mixture_which_draws_training_problems_only(
         load_arena(_arena(tmp_path, text.replace("task.mixture_decay=0.5", "task.eval_size=8"), base=composite))
 
 
+def test_a_dry_run_refuses_a_cell_whose_start_would_be_refused(tmp_path, capsys):
+    from nearpolicy.cli import main
+
+    composite = BASE.replace("[task]\n", "[task]\nname = 'composite'\ntrain_size = 1\n"
+                             "options = {datasets=[{name='chain_sum', weight=1}, {name='products', weight=1}]}\n")
+    text = ARENA.replace('preset = "off" }', 'preset = "off", set = ["task.mixture=\'fixed\'"] }').replace(
+        'set = ["correction.upper=3.0"]', 'set = ["task.mixture=\'adaptive\'"]')
+    path = _arena(tmp_path, text, base=composite)
+    assert main(["arena", str(path), "--out", str(tmp_path / "out"), "--dry-run"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all("have no problem among the 1 training problems" in line for line in err)
+    assert [line.split()[2] for line in err] == ["tis/q8/s0", "tis/noise/s0"]  # once per arm, the fixed arms pass
+    assert not (tmp_path / "out").exists()
+    assert main(["arena", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--only", "off/*"]) == 0
+
+
 def _row(step, acc=None, k3=None, rejected=0.0, high=0.0, low=0.0, seconds=2.0):
     row = {"step": step}
     if step:

@@ -69,6 +69,7 @@ def test_adapter_weights_write_a_peft_folder_per_sync(tmp_path):
     with pytest.raises(ValueError, match="adapter form 'npz'"):
         AdapterWeights(lora, "npz", tmp_path)
     (tmp_path / "peft-adapter-9").mkdir()  # a later process (a resumed run) removes every earlier process's folder
+    (tmp_path / "peft-adapter-1").write_text("not a folder")  # or a file in the way of its first folder
     resumed = AdapterWeights(lora, "peft_dir", tmp_path)
     assert Path(resumed().peft_dir).name == "peft-adapter-1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["peft-adapter-1"]

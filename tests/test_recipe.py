@@ -142,5 +142,7 @@ def test_a_resume_may_not_stretch_a_decaying_schedule(tmp_path):
     with pytest.raises(RunExistsError, match=r"run\.steps 10 -> 9: .*cannot be shortened \(resume with run\.steps = 10"):
         check_same_config(saved, load_config(None, ["algorithm.lr_schedule=cosine", "run.steps=9"]))
     check_same_config(saved, load_config(None, cosine))  # unchanged: accepted
+    with pytest.raises(RunExistsError, match=r"differs from .* in: algorithm\.lr_schedule"):  # the real change first
+        check_same_config(saved, load_config(None, ["algorithm.lr_schedule=linear", "run.steps=9"]))
     saved.write_text(json.dumps(load_config(None, ["run.steps=10"]).model_dump(mode="json")))
     check_same_config(saved, load_config(None, ["run.steps=20"]))  # constant rate: extending is fine

@@ -360,10 +360,10 @@ def test_summary_lists_the_per_sequence_mismatch_family(tmp_path: Path, capsys: 
 def test_a_stopped_runs_last_eval_says_the_later_steps_had_none(tmp_path: Path):
     rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1}, {"step": 2, "eval/accuracy": 0.5}, {"step": 3}]
     summary = run_summary(load_run(_write_run(tmp_path / "stopped", rows)))
-    assert summary["final eval accuracy"] == "0.500 (step 2); step 3 ran without an eval"
+    assert summary["final eval accuracy"] == "0.500 (step 2); step 3 has no eval accuracy"
     rows += [{"step": 4}]
     assert run_summary(load_run(_write_run(tmp_path / "s4", rows)))["final eval accuracy"] == (
-        "0.500 (step 2); steps 3-4 ran without an eval")
+        "0.500 (step 2); steps 3-4 have no eval accuracy")
     assert summary["peak eval accuracy"] == "0.500 (step 2)"
     finished = run_summary(load_run(_write_run(tmp_path / "done", rows[:3])))
     assert finished["final eval accuracy"] == "0.500 (step 2)"

@@ -294,7 +294,8 @@ def test_xrpo_ranges_name_the_key(key, bad):
 
 
 @pytest.mark.parametrize("sets, named", [
-    (["xrpo.first_round=8"], r"xrpo\.first_round = 8 .*algorithm\.group_size \(8\)"),
+    (["xrpo.first_round=8"], r"xrpo\.first_round = 8 .*algorithm\.group_size \(8\); set xrpo\.first_round lower, "
+                             r"algorithm\.group_size >= 9, or xrpo\.allocate = false"),
     (["algorithm.group_size=2", "engine.max_parallel_sequences=2"],
      r"xrpo\.first_round \(unset: 2\) leaves .*\(2\); set algorithm\.group_size >= 3, or"),
     (["xrpo.first_round=true"], r"xrpo\.first_round.*valid integer"),

@@ -79,8 +79,13 @@ def arena_command(args: argparse.Namespace) -> int:
         if args.dry_run:
             from nearpolicy.arena.runner import dry_run
 
+            from nearpolicy.arena.runner import start_refusals
+
             print(dry_run(spec, args.only, args.workers, set(adoptable)), end="")
-            return 0
+            refused = start_refusals(spec, args.only, set(adoptable))
+            for cell, why in refused.items():
+                print(f"error: cell {cell} (and its other seeds) would be refused at start: {why}", file=sys.stderr)
+            return 2 if refused else 0
         if args.page:
             from nearpolicy.arena.page import write_page
             from nearpolicy.arena.state import ArenaState

@@ -240,6 +240,27 @@ def _count(items, noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
+def start_refusals(spec: ArenaSpec, only: str | list[str] | None = None,
+                   adopted: set[str] = frozenset()) -> dict[str, str]:
+    """Cell id -> why its run would be refused at start, for the selected cells still to run: what `nearpolicy train
+    --dry-run` checks before a model loads (training/assemble.checked_before_loading: the model's support of every
+    configured piece, the task and an adaptive mixture's datasets, the teacher). One cell per correction x source is
+    checked (its first selected seed; seconds each), since the seed changes only which problems are drawn."""
+    from nearpolicy.training.assemble import checked_before_loading
+
+    state, refused, seen = ArenaState.open(spec.out, spec), {}, set()
+    for cell in spec.select(only):
+        arm = (cell.correction, cell.source)
+        if arm in seen or state.cells[cell.id].status in FINAL or cell.id in adopted:
+            continue
+        seen.add(arm)
+        try:
+            checked_before_loading(cell.config)
+        except (FileNotFoundError, ValueError) as err:
+            refused[cell.id] = str(err)
+    return refused
+
+
 def dry_run(spec: ArenaSpec, only: str | list[str] | None = None, workers: int = 1,
             adopted: set[str] = frozenset()) -> str:
     """The cells `only` selects (seed-major under the sequential rule), each with its status (from a stored state, if

@@ -332,7 +332,8 @@ def _vary(value: Any) -> frozenset[str]:
     for key in value:
         if key not in SAME_KEYS:
             raise ArenaError(f"arena.vary: {key!r} is not a budget key cells may differ in on purpose (one of "
-                             f"{', '.join(SAME_KEYS)}; task.* never varies: every cell scores the same held-out set)")
+                             f"{', '.join(SAME_KEYS)}; task.* keys never need it: the mixture keys may differ without it, the others "
+                             "never, as every cell scores the same held-out set)")
     return frozenset(value)
 
 

@@ -249,7 +249,7 @@ def check_xrpo(cfg) -> None:
         lower = "xrpo.first_round lower, " if first > 2 else ""  # 2 is its least: a group's variance needs 2
         said = f"xrpo.first_round = {first}" if x.first_round is not None else f"xrpo.first_round (unset: {first})"
         raise ValueError(f"{said} leaves no rollouts to allocate: it must be below algorithm.group_size "
-                         f"({a.group_size}); {lower}set algorithm.group_size >= {first + 1}, or xrpo.allocate = false")
+                         f"({a.group_size}); set {lower}algorithm.group_size >= {first + 1}, or xrpo.allocate = false")
     others = {"rollout.engines >= 1": cfg.rollout.engines > 0, "episode.enabled": cfg.episode.enabled,
               "popo.enabled": cfg.popo.enabled, "distill.teacher": cfg.distill.teacher is not None,
               "distill.ropd": cfg.distill.ropd, "lora.enabled": cfg.lora.enabled, "mipu.enabled": cfg.mipu.enabled,

@@ -238,12 +238,13 @@ def run_summary(run: Run) -> dict[str, str]:
 
 
 def _final_eval(evals: list[tuple[int, float]], steps: int) -> str:
-    """The last eval, saying so when later steps ran without one (a stopped run: not the run's final accuracy)."""
+    """The last finite eval, saying so when later steps have none (a stopped run, or an eval whose answers were all
+    unscorable: not the run's final accuracy)."""
     if not evals:
         return NOT_RECORDED
     step, accuracy = evals[-1]
-    later = f"step {steps} ran" if step + 1 == steps else f"steps {step + 1}-{steps} ran"
-    return f"{accuracy:.3f} (step {step})" + (f"; {later} without an eval" if step < steps else "")
+    later = f"step {steps} has" if step + 1 == steps else f"steps {step + 1}-{steps} have"
+    return f"{accuracy:.3f} (step {step})" + (f"; {later} no eval accuracy" if step < steps else "")
 
 
 def legend_name(run: Run) -> str:

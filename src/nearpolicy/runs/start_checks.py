@@ -157,6 +157,10 @@ def check_same_config(saved_path: Path, cfg: Config) -> None:
                if saved.get(section, {}).get(key, default[section][key]) != value
                and section not in RESUMABLE_KEYS and f"{section}.{key}" not in RESUMABLE_KEYS
                and not (f"{section}.{key}" in PATH_KEYS and _same_location(f"{section}.{key}", saved, now, plan))]
+    if changed:
+        allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
+        raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
+                             f"(only {allowed} and {RESUMABLE_KEYS[-1]} may change; use a new run.name)")
     steps_then = saved.get("run", {}).get("steps", default["run"]["steps"])
     if steps_then != cfg.run.steps and cfg.algorithm.lr_schedule != "constant":
         longer = cfg.run.steps > steps_then
@@ -167,10 +171,6 @@ def check_same_config(saved_path: Path, cfg: Config) -> None:
                              f"{cfg.algorithm.lr_schedule!r} run.steps is the schedule's length, so every later step's "
                              f"learning rate would change, so the run cannot be {'extended' if longer else 'shortened'} "
                              f"({instead})")
-    if changed:
-        allowed = ", ".join(k + (".*" if "." not in k else "") for k in RESUMABLE_KEYS[:-1])
-        raise RunExistsError(f"--resume with a config that differs from {saved_path} in: {', '.join(changed)} "
-                             f"(only {allowed} and {RESUMABLE_KEYS[-1]} may change; use a new run.name)")
 
 
 def check_same_data(plan_path: Path, now: dict) -> None:
