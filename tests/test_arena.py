@@ -426,8 +426,9 @@ def test_a_collapsed_seed_is_counted_diverged_and_marks_the_means_it_is_in(tmp_p
     assert "| off | 0.375 ± 0.460 (incl. 1 diverged); div 1/2;" in md
 
 
-@pytest.mark.parametrize("name,cells,minibatches", [("arena-lora", 24, 1), ("arena-methods", 30, 1),
-                                                    ("arena-staleness-mb4", 16, 4), ("arena-mc-grpo-power", 40, 1)])
+@pytest.mark.parametrize("name,cells,minibatches", [("arena-lora", 24, 1), ("arena-methods", 36, 1),
+                                                    ("arena-staleness-mb4", 16, 4), ("arena-mc-grpo-power", 40, 1),
+                                                    ("arena-mixture", 6, 1), ("arena-distill", 9, 1)])
 def test_the_main_job_budget_arenas_load(name, cells, minibatches):
     """The arenas at the main job's budget (30 steps, 4 prompts, 64 new tokens) with 256 held-out problems."""
     spec = load_arena(Path(__file__).resolve().parent.parent / "configs" / f"{name}.toml")
