@@ -271,3 +271,21 @@ def test_the_lora_table_is_what_the_script_prints_from_the_committed_cells():
     committed = (root / "docs/bench/lora-table.md").read_text()
     assert printed == committed
     assert committed in (root / "docs/results.md").read_text()
+
+
+@pytest.mark.parametrize("script,args,committed", [
+    ("mixture_table.py", ["arena-mixture.tar.gz"], "mixture-table.md"),
+    ("paired_cells.py", ["arena-mixture.tar.gz", "adaptive/q8_0:fixed/q8_0"], "mixture-paired.md"),
+    ("paired_cells.py", ["arena-methods.tar.gz", "popo/q8_0:full/q8_0", "xrpo/q8_0:full/q8_0", "mipu/q8_0:full/q8_0",
+                         "reward_variance/q8_0:full/q8_0", "mipu/q4_1:full/q4_1"], "methods-paired.md"),
+    ("paired_cells.py", ["arena-distill.tar.gz", "forward/q8_0:reverse/q8_0", "ropd/q8_0:forward/q8_0",
+                         "ropd/q8_0:reverse/q8_0"], "distill-paired.md"),
+])
+def test_the_seed_method_tables_are_what_the_scripts_print_from_the_committed_cells(script, args, committed):
+    """docs/results.md secs. 17-19's tables (docs/bench/*.md) are the scripts' output on the committed packages."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    printed = subprocess.run([sys.executable, str(root / "bench" / script), str(root / "docs/arena-runs" / args[0]),
+                              *args[1:]], check=True, capture_output=True, text=True, cwd=root).stdout
+    assert printed == (root / "docs/bench" / committed).read_text()

@@ -263,3 +263,6 @@ def test_a_teacher_of_another_vocabulary_is_refused_by_the_dry_run(tiny_model_di
         dry_plan(cfg)
     dry_plan(load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{tiny_model_dir}'",
                                 "distill.coef=1.0"]))  # the same vocabulary passes
+    missing = load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{tmp_path / 'nope'}'"])
+    with pytest.raises(ValueError, match=r"^distill\.teacher: '[^']*nope' does not exist; .* a run's `nearpolicy export"):
+        dry_plan(missing)

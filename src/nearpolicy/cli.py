@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "check the run folder, and exit without loading the model or writing anything")
     train.set_defaults(func=_train)
     lister = sub.add_parser("list", help="list registered advantage estimators, losses, KL estimators, corrections, "
-                                         "turn credit and data policies")
+                                         "turn credit, data policies, group replay, XRPO's pieces and task mixtures")
     lister.add_argument("name", nargs="?", help="show one name in full: summary, source, definition")
     lister.set_defaults(func=_list)
     sub.add_parser("config", help="every config key with its default, range or choices, and what it does").set_defaults(

@@ -240,7 +240,10 @@ def check_teacher(policy: ModelFacts, teacher: str) -> None:
 
     try:
         check_same_vocabulary(policy, model_facts(resolve_model(teacher)))
-    except (FileNotFoundError, ValueError) as err:
+    except FileNotFoundError as err:  # resolve_model speaks of model.path
+        raise ValueError(f"distill.teacher: {str(err).replace('model.path ', '', 1)} (a teacher is a trained model of "
+                         "the policy's tokenizer, e.g. a run's `nearpolicy export RUN_DIR` folder)") from None
+    except ValueError as err:
         raise ValueError(f"distill.teacher: {err}") from None
 
 
