@@ -152,7 +152,10 @@ class AdapterWeights:
         started = time.perf_counter()
         if self.syncs == 0:  # a previous process's folders (a resumed run counts from 1 again)
             for stale in self.folder.glob("peft-adapter-*"):
-                stale.unlink() if stale.is_symlink() or not stale.is_dir() else shutil.rmtree(stale)
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale)
+                else:
+                    stale.unlink()
         self.syncs += 1
         target = self.folder / f"peft-adapter-{self.syncs}"
         self.lora.peft_model.save_pretrained(str(target))
