@@ -78,12 +78,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return _load_config(None if path is None else Path(path), list(overrides))
 
 
+def _above_the_bar(msg: str) -> None:
+    """A line on stderr above the progress bar (tqdm clears the bar, writes the line and redraws it)."""
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+
+
 def run_training(cfg: Config, resume: bool = False, log: Callable[[str], None] | None = None,
                  progress: bool = True) -> tuple[int, str]:
     """(exit code, closing message) of one run, as `nearpolicy train` makes it: in this process (with the graceful
     stop on SIGINT / SIGTERM of signals.GracefulStop) or, with rollout.backend = "ray", as a Ray actor (which prints
     its own messages: the closing message is then empty). Exit codes: training/run.py."""
-    say = log or (lambda msg: print(msg, file=sys.stderr))
+    say = log or _above_the_bar
     if cfg.rollout.backend == "ray":  # the trainer runs as a Ray actor; this process relays its output and signals
         from nearpolicy.training.ray_actor import train_in_ray_actor
 
@@ -146,7 +153,7 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
                         f"got {type(cfg).__name__} {cfg!r:.80}")
     _refuse_in_a_spawned_child()
     _require_main_guard()
-    say = log or (lambda msg: print(msg, file=sys.stderr))
+    say = log or _above_the_bar
     code, message = run_training(cfg, resume, say, progress)
     run_dir = cfg.run.output_dir / cfg.run.name
     if code != 0 and code not in STOP_CODES:
