@@ -46,7 +46,7 @@ def fixed_draws(cell: Path) -> Counter:
     training set (one prompt per position, in order; the run's last step taken from metrics.jsonl)."""
     (config, task), steps = cell_task(cell), max(r["step"] for r in cell_rows(cell))
     positions = range(steps * config.algorithm.prompts_per_step)
-    return Counter(task.train_problem(i % task.train_size).entry["metadata"]["source_dataset"] for i in positions)
+    return Counter(task.train_problem(i).entry["metadata"]["source_dataset"] for i in positions)  # it wraps
 
 
 def main() -> None:

@@ -77,9 +77,7 @@ def arena_command(args: argparse.Namespace) -> int:
             adoptable = adopt_into(spec, args.adopt, args.only, args.dry_run,
                                    lambda msg: print(msg, file=sys.stderr, flush=True))
         if args.dry_run:
-            from nearpolicy.arena.runner import dry_run
-
-            from nearpolicy.arena.runner import start_refusals
+            from nearpolicy.arena.runner import dry_run, start_refusals
 
             print(dry_run(spec, args.only, args.workers, set(adoptable)), end="")
             refused = start_refusals(spec, args.only, set(adoptable))

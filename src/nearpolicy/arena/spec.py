@@ -63,7 +63,8 @@ SAME_KEYS = ("run.steps", "logging.eval_every", "logging.eval_policy", "sampling
 """The budget and the held-out eval: every cell must agree on these (and on every task.* key) unless arena.vary
 lists the key (task.* never: the held-out set must be the same problems), except DRAW_KEYS."""
 DRAW_KEYS = ("mixture", "mixture_decay", "mixture_floor")
-"""task.* keys that only choose which training problems a step draws (the held-out eval is the same): arms may differ."""
+"""task.* keys that only choose which training problems a step draws (the held-out eval is the same): arms may
+differ in them."""
 TOP_KEYS = ("arena", "corrections", "sources", "override")
 
 
@@ -332,8 +333,8 @@ def _vary(value: Any) -> frozenset[str]:
     for key in value:
         if key not in SAME_KEYS:
             raise ArenaError(f"arena.vary: {key!r} is not a budget key cells may differ in on purpose (one of "
-                             f"{', '.join(SAME_KEYS)}; task.* keys never need it: the mixture keys may differ without it, the others "
-                             "never, as every cell scores the same held-out set)")
+                             f"{', '.join(SAME_KEYS)}; task.* keys never need it: the mixture keys may differ "
+                             "without it, the others never, as every cell scores the same held-out set)")
     return frozenset(value)
 
 

@@ -56,8 +56,8 @@ def _pools(task: Task, names: list[str]) -> list[list[Problem]]:
         pools[problem.entry["metadata"]["source_dataset"]].append(problem)
     if empty := [name for name, pool in pools.items() if not pool]:
         raise ValueError(f"task.mixture = 'adaptive': dataset(s) {', '.join(empty)} have no problem among the "
-                         f"{task.train_size} training problems: raise task.train_size or their weight, or lower task.eval_size or "
-                         "widen their config (training problems equal to a held-out one are dropped)")
+                         f"{task.train_size} training problems: raise task.train_size or their weight, or lower "
+                         "task.eval_size or widen their config (training problems equal to a held-out one are dropped)")
     return [pools[name] for name in names]
 
 
