@@ -264,5 +264,9 @@ def test_a_teacher_of_another_vocabulary_is_refused_by_the_dry_run(tiny_model_di
     dry_plan(load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{tiny_model_dir}'",
                                 "distill.coef=1.0"]))  # the same vocabulary passes
     missing = load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{tmp_path / 'nope'}'"])
-    with pytest.raises(ValueError, match=r"^distill\.teacher: '[^']*nope' does not exist; .* a run's `nearpolicy export"):
+    with pytest.raises(ValueError, match=r"^distill\.teacher '[^']*nope' does not exist; .* a run's `nearpolicy export"):
         dry_plan(missing)
+    (tmp_path / "empty").mkdir()
+    no_config = load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{tmp_path / 'empty'}'"])
+    with pytest.raises(ValueError, match=r"^distill\.teacher '[^']*empty' is a folder without config\.json"):
+        dry_plan(no_config)

@@ -50,6 +50,11 @@ def test_a_new_run_needs_a_folder_without_a_run(tmp_path):
                                              rf"--resume \([^;]*nearpolicy train --resume {run}; for the main job "
                                              rf"`make train ARGS=--resume`\)"):
         check_run_folder(cfg, resume=False)
+    finished = _cfg(tmp_path, "run.steps=2")  # the run is at its last step: no --resume advice
+    with pytest.raises(RunExistsError, match=rf"already holds a finished run \(last checkpoint step_000002, run.steps = "
+                                             rf"2\); set a new run.name \(its results: nearpolicy report {run}; its "
+                                             rf"model: nearpolicy export {run}\)$"):
+        check_run_folder(finished, resume=False)
 
 
 def test_an_interrupted_start_with_only_the_step0_eval_is_started_over_by_a_plain_retry(tmp_path):

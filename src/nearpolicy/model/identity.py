@@ -235,16 +235,16 @@ def check_same_vocabulary(policy: ModelFacts, teacher: ModelFacts) -> None:
 
 def check_teacher(policy: ModelFacts, teacher: str) -> None:
     """distill.teacher `teacher` resolves (model/load.resolve_model) to a model of the policy's vocabulary size.
-    Raises ValueError starting "distill.teacher: " for a missing path or another vocabulary size."""
+    Raises ValueError starting "distill.teacher" for a missing or unreadable path or another vocabulary size."""
     from nearpolicy.model.load import resolve_model
 
     try:
-        check_same_vocabulary(policy, model_facts(resolve_model(teacher)))
-    except FileNotFoundError as err:  # resolve_model speaks of model.path
-        raise ValueError(f"distill.teacher: {str(err).replace('model.path ', '', 1)} (a teacher is a trained model of "
-                         "the policy's tokenizer, e.g. a run's `nearpolicy export RUN_DIR` folder)") from None
+        check_same_vocabulary(policy, model_facts(resolve_model(teacher, "distill.teacher")))
+    except FileNotFoundError as err:
+        raise ValueError(f"{err} (a teacher is a trained model of the policy's tokenizer, e.g. a run's "
+                         "`nearpolicy export RUN_DIR` folder)") from None
     except ValueError as err:
-        raise ValueError(f"distill.teacher: {err}") from None
+        raise ValueError(str(err) if str(err).startswith("distill.teacher") else f"distill.teacher: {err}") from None
 
 
 def check_support(facts: ModelFacts, config) -> None:

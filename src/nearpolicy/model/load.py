@@ -47,12 +47,12 @@ class ResolvedModel:
     path: Path
 
 
-def resolve_model(spec: str) -> ResolvedModel:
-    """Resolve `model.path`: "smollm2" (the shipped GGUF), a packaged model's name ("gemma3-270m": its PyPI
+def resolve_model(spec: str, setting: str = "model.path") -> ResolvedModel:
+    """Resolve a model setting (`model.path`, or `distill.teacher` named by `setting` in the messages): "smollm2" (the shipped GGUF), a packaged model's name ("gemma3-270m": its PyPI
     package's GGUF, assembled once into cache_root() / "models" and sha256-checked, model/catalog.py), an existing
     .gguf file, or an HF folder with config.json.
 
-    Raises FileNotFoundError naming `model.path` when the path does not exist (or a packaged model's pip package is
+    Raises FileNotFoundError naming `setting` when the path does not exist (or a packaged model's pip package is
     not installed); ValueError when the file is not a readable GGUF (bad magic, truncated), is neither .gguf nor a
     folder, the folder lacks config.json, or a packaged model's pieces do not match its sha256.
     """
@@ -65,16 +65,16 @@ def resolve_model(spec: str) -> ResolvedModel:
         if not path.exists():
             names = ", ".join(repr(n) for n in (DEFAULT_SPEC, *PACKAGED_MODELS))
             raise FileNotFoundError(
-                f"model.path {spec!r} does not exist; expected {names}, a .gguf file, "
+                f"{setting} {spec!r} does not exist; expected {names}, a .gguf file, "
                 "or a Hugging Face model folder containing config.json"
             )
         path = path.resolve()
         if path.is_dir():
             if not (path / "config.json").is_file():
-                raise ValueError(f"model.path {spec!r} is a folder without config.json, not a Hugging Face model")
+                raise ValueError(f"{setting} {spec!r} is a folder without config.json, not a Hugging Face model")
             return ResolvedModel("hf", path)
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model.path {spec!r} is a file but not a .gguf file")
+            raise ValueError(f"{setting} {spec!r} is a file but not a .gguf file")
     st = path.stat()
     if not converted_folder(path).is_dir():  # a converted copy exists only for a file that passed the check
         _check_gguf(str(path), st.st_size, st.st_mtime_ns)
@@ -95,21 +95,21 @@ def _check_gguf(path: str, size: int, mtime_ns: int) -> None:
         raise ValueError(f"{path} is not a valid GGUF file (bad magic or truncated): {e}") from e
 
 
-def load_policy(spec: str) -> tuple[Any, Any]:
-    """Load (model, tokenizer) for `model.path` with transformers; the model is float32 on CPU in train mode.
+def load_policy(spec: str, setting: str = "model.path") -> tuple[Any, Any]:
+    """Load (model, tokenizer) for `model.path` (or the setting named by `setting`, for the messages) with transformers; the model is float32 on CPU in train mode.
 
     A GGUF is dequantized to float32 (llama.cpp's q/k permutation undone) and rebuilt as a plain model, because
     transformers marks a GGUF-loaded model as quantized and refuses `save_pretrained` on it.
-    Raises what `resolve_model` raises, and ValueError naming `model.path` when the weights cannot be loaded
+    Raises what `resolve_model` raises, and ValueError naming `setting` when the weights cannot be loaded
     (a truncated or corrupt safetensors file, a missing weights file).
     """
     from safetensors import SafetensorError
 
-    resolved = resolve_model(spec)
+    resolved = resolve_model(spec, setting)
     try:
         return _load(resolved)
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # a damaged, truncated or incomplete model
-        raise ValueError(f"model.path {spec!r}: cannot load the model from {resolved.path} "
+        raise ValueError(f"{setting} {spec!r}: cannot load the model from {resolved.path} "
                          f"({type(err).__name__}: {err})") from err
 
 

@@ -231,6 +231,11 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     if resume:
         check_resume(run_dir, cfg, data)
         return _resume_check(run_dir, cfg, data, checkpoints)
+    last = next((step for path in reversed(checkpoints) if (step := checkpoint_step(path)) is not None), None)
+    if last is not None and last >= cfg.run.steps:
+        raise RunExistsError(f"{run_dir} already holds a finished run (last checkpoint {checkpoints[-1].name}, "
+                             f"run.steps = {cfg.run.steps}); set a new run.name (its results: nearpolicy report "
+                             f"{run_dir}; its model: nearpolicy export {run_dir})")
     if checkpoints:
         raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
                              f"with --resume ({resume_command(run_dir)}; for the main job `make train "

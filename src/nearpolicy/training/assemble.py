@@ -155,7 +155,7 @@ def _load_teacher(cfg: Config, tokenizer, log=print) -> torch.nn.Module | None:
 
     log(f"loading the teacher {cfg.distill.teacher}...")
     try:
-        teacher, teacher_tokenizer = load_policy(cfg.distill.teacher)
+        teacher, teacher_tokenizer = load_policy(cfg.distill.teacher, "distill.teacher")
     except (FileNotFoundError, ValueError) as err:
         raise ValueError(f"distill.teacher: {err}") from None
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
