@@ -288,6 +288,7 @@ class Trainer:
             t0 = time.perf_counter()
             metrics = self.train_step()
             self.state.step = step = self.state.step + 1
+            bar.update(1)  # the bar counts trained steps, so step N's eval line appears beside N
             metrics |= self.guard.observe(step, metrics, self.log)
             if step % cfg.logging.eval_every == 0 or step == cfg.run.steps:
                 bar.set_postfix(self.postfix | {"phase": "eval"})
@@ -300,8 +301,7 @@ class Trainer:
                 bar.set_postfix(self.postfix | {"phase": "checkpoint"})
                 self.checkpoint()
             self.guard.check(step)
-            bar.set_postfix(self.postfix, refresh=False)
-            bar.update(1)
+            bar.set_postfix(self.postfix)
         self.close()
         return self.run_dir
 
