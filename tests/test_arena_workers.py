@@ -22,7 +22,8 @@ import pytest
 from nearpolicy.arena.runner import run_arena
 from nearpolicy.arena.spec import load_arena
 from nearpolicy.arena.state import ArenaState
-from nearpolicy.arena.workers import REPORT_BYTES, Workers, check_workers, parallel_eta, parse_report, report_line
+from nearpolicy.arena.workers import (REPORT_BYTES, Workers, check_workers, longest_first, parallel_eta, parse_report,
+                                      report_line)
 
 BASE = """
 [run]
@@ -364,6 +365,18 @@ def test_the_eta_divides_the_work_left_by_the_workers(tmp_path):
     state.cells[d.id].status, state.cells[d.id].seconds = "done", 300.0
     assert parallel_eta(spec, state, [(a, 100.0, 1, 1)], [c], 2) == ((100.0 + 300.0) / 2, True)
     assert parallel_eta(spec, state, [(a, 100.0, 1, 1)], [], 2) == (100.0, True)  # one cell left: no division
+
+
+def test_workers_start_the_longest_cells_first_and_keep_the_given_order_among_equals(tmp_path):
+    text = ARENA.replace('baseline = "off"', 'baseline = "off"\nvary = ["algorithm.group_size"]').replace(
+        "q8 = { set = [\"engine.precision='q8_0'\"] }", "G2 = { set = [\"algorithm.group_size=2\"] }\n"
+        "G8 = { set = [\"algorithm.group_size=8\"] }")
+    spec = load_arena(_arena(tmp_path, text), out=tmp_path / "out")
+    seed0 = [(c, f"{i + 1}/8") for i, c in enumerate(spec.cells) if c.seed == 0]
+    assert [c.id for c, _ in seed0] == ["off/G2/s0", "off/G8/s0", "tis/G2/s0", "tis/G8/s0"]
+    ordered = longest_first(spec, seed0)
+    assert [c.id for c, _ in ordered] == ["off/G8/s0", "tis/G8/s0", "off/G2/s0", "tis/G2/s0"]
+    assert sorted(ordered, key=lambda item: item[1]) == seed0  # each cell keeps its position label
 
 
 @pytest.mark.slow
