@@ -367,7 +367,7 @@ def test_the_eta_divides_the_work_left_by_the_workers(tmp_path):
     assert parallel_eta(spec, state, [(a, 100.0, 1, 1)], [], 2) == (100.0, True)  # one cell left: no division
 
 
-def test_workers_start_the_longest_cells_first_and_keep_the_given_order_among_equals(tmp_path):
+def test_workers_start_the_longest_cells_first_and_keep_the_given_order_among_equals(tmp_path, plan):
     text = ARENA.replace('baseline = "off"', 'baseline = "off"\nvary = ["algorithm.group_size"]').replace(
         "q8 = { set = [\"engine.precision='q8_0'\"] }", "G2 = { set = [\"algorithm.group_size=2\"] }\n"
         "G8 = { set = [\"algorithm.group_size=8\"] }")
@@ -377,6 +377,10 @@ def test_workers_start_the_longest_cells_first_and_keep_the_given_order_among_eq
     ordered = longest_first(spec, seed0)
     assert [c.id for c, _ in ordered] == ["off/G8/s0", "tis/G8/s0", "off/G2/s0", "tis/G2/s0"]
     assert sorted(ordered, key=lambda item: item[1]) == seed0  # each cell keeps its position label
+    times = plan(step_seconds=0.1)
+    assert run_arena(spec, say=lambda _: None, train=fake.train, workers=2) == 0
+    started = [r["cell"] for r in sorted(fake.intervals(times), key=lambda r: r["start"])]
+    assert sorted(started[:4]) == ["off/G8/s0", "off/G8/s1", "tis/G8/s0", "tis/G8/s1"]  # the G = 8 cells went first
 
 
 @pytest.mark.slow

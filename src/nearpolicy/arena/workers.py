@@ -161,10 +161,10 @@ class _Child:
 
 def longest_first(spec: ArenaSpec, queue: list[tuple[Cell, str]]) -> list[tuple[Cell, str]]:
     """`queue` ordered by the arena's estimate of each cell's time (records.estimated_seconds), longest first, ties in
-    the given order. With a barrier after every seed (the sequential rule) the order given would start a seed's
-    short cells first and leave its longest to run alone at the end (e.g. G = 2, 2, 8, 8 on two workers: 7 + 8 and
-    14 + 16 minutes in a row instead of 14 + 7 beside 16 + 8); longest first is the classic greedy bound (Graham
-    1969: at most 4/3 of the best makespan)."""
+    the given order. With a barrier after every seed (the sequential rule) the order given can leave a seed's longest
+    cell to run alone at its end (G = 2, 8, 2, 8 cells of about 7, 14, 8 and 16 minutes on two workers: 7 + 8 + 16 = 31
+    minutes on one worker beside 14 on the other; longest first: 16 + 7 beside 14 + 8, 23 minutes). Longest first is
+    Graham's greedy rule (1969: at most 4/3 of the shortest possible makespan)."""
     return sorted(queue, key=lambda item: -estimated_seconds(spec, [item[0]]))
 
 

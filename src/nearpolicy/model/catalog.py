@@ -38,30 +38,31 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
 )}
 
 
-def packaged_gguf(name: str, folder: Path) -> Path:
+def packaged_gguf(name: str, folder: Path, setting: str = "model.path") -> Path:
     """The GGUF of the packaged model `name` (a PACKAGED_MODELS key) at folder / its MODEL_NAME, assembled there
-    when absent or when its sha256 is not the package's EXPECTED_SHA256 (module docstring). Raises KeyError for an
+    when absent or when its sha256 is not the package's EXPECTED_SHA256 (module docstring). The messages name
+    `setting` (the config key that named the model). Raises KeyError for an
     unknown name; FileNotFoundError naming the pip package when it (or one of its piece packages) is not installed;
     ValueError when the pieces do not assemble to EXPECTED_SHA256 (a damaged install: the target is left as it was);
     OSError when the folder cannot be written."""
     entry = PACKAGED_MODELS[name]
-    module = _package(entry)
+    module = _package(entry, setting)
     target = Path(folder) / module.MODEL_NAME
     if target.is_file() and _has_sha256(target, module.EXPECTED_SHA256):
         _remove_stale(target)  # a killed first assembly's temp file would otherwise stay once the target is good
         return target
-    return _assemble(entry, module, target)
+    return _assemble(entry, module, target, setting)
 
 
-def _package(entry: PackagedModel) -> ModuleType:
+def _package(entry: PackagedModel, setting: str) -> ModuleType:
     try:
         return importlib.import_module(entry.module)
     except ImportError:
-        raise FileNotFoundError(f"model.path {entry.name!r} ({entry.about}) needs the PyPI package `{entry.pip}` "
+        raise FileNotFoundError(f"{setting} {entry.name!r} ({entry.about}) needs the PyPI package `{entry.pip}` "
                                 f"(pip install {entry.pip})") from None
 
 
-def _assemble(entry: PackagedModel, module: ModuleType, target: Path) -> Path:
+def _assemble(entry: PackagedModel, module: ModuleType, target: Path, setting: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(target)
     try:
@@ -74,10 +75,10 @@ def _assemble(entry: PackagedModel, module: ModuleType, target: Path) -> Path:
             if sha256_of(tmp) != module.EXPECTED_SHA256:  # our own check, whatever the package's assemble did
                 raise ValueError("the assembled file's sha256 is not the package's")
     except (ImportError, FileNotFoundError) as err:  # a piece package missing
-        raise FileNotFoundError(f"model.path {entry.name!r}: `{entry.pip}` is installed incompletely ({err}); "
+        raise FileNotFoundError(f"{setting} {entry.name!r}: `{entry.pip}` is installed incompletely ({err}); "
                                 f"reinstall it (pip install --force-reinstall {entry.pip})") from None
     except ValueError as err:
-        raise ValueError(f"model.path {entry.name!r}: {err} ({module.EXPECTED_SHA256[:12]}...); `{entry.pip}` is "
+        raise ValueError(f"{setting} {entry.name!r}: {err} ({module.EXPECTED_SHA256[:12]}...); `{entry.pip}` is "
                          f"damaged, reinstall it (pip install --force-reinstall {entry.pip}); {target} was not "
                          "replaced") from None
     return target

@@ -241,10 +241,16 @@ def check_teacher(policy: ModelFacts, teacher: str) -> None:
     try:
         check_same_vocabulary(policy, model_facts(resolve_model(teacher, "distill.teacher")))
     except FileNotFoundError as err:
-        raise ValueError(f"{err} (a teacher is a trained model of the policy's tokenizer, e.g. a run's "
-                         "`nearpolicy export RUN_DIR` folder)") from None
+        raise teacher_error(f"{err} (a teacher is a trained model of the policy's tokenizer, e.g. a run's "
+                            "`nearpolicy export RUN_DIR` folder)") from None
     except ValueError as err:
-        raise ValueError(str(err) if str(err).startswith("distill.teacher") else f"distill.teacher: {err}") from None
+        raise teacher_error(str(err)) from None
+
+
+def teacher_error(message: str) -> ValueError:
+    """A ValueError about distill.teacher: `message` as it is when it names the setting already (resolve_model's and
+    the catalog's messages do), else prefixed "distill.teacher: " (a GGUF check or vocabulary message names none)."""
+    return ValueError(message if message.startswith("distill.teacher") else f"distill.teacher: {message}")
 
 
 def check_support(facts: ModelFacts, config) -> None:

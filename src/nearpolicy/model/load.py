@@ -57,9 +57,12 @@ def resolve_model(spec: str, setting: str = "model.path") -> ResolvedModel:
     folder, the folder lacks config.json, or a packaged model's pieces do not match its sha256.
     """
     if spec in PACKAGED_MODELS:  # sha256-checked against the package on every resolve: no header check needed
-        return ResolvedModel("gguf", packaged_gguf(spec, cache_root() / "models"))
+        return ResolvedModel("gguf", packaged_gguf(spec, cache_root() / "models", setting))
     if spec == DEFAULT_SPEC:
-        path = default_model_gguf()
+        try:
+            path = default_model_gguf()
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{setting} {spec!r}: {err}") from None
     else:
         path = Path(spec).expanduser()
         if not path.exists():

@@ -231,11 +231,11 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     if resume:
         check_resume(run_dir, cfg, data)
         return _resume_check(run_dir, cfg, data, checkpoints)
-    last = next((step for path in reversed(checkpoints) if (step := checkpoint_step(path)) is not None), None)
-    if last is not None and last >= cfg.run.steps:
-        raise RunExistsError(f"{run_dir} already holds a finished run (last checkpoint {checkpoints[-1].name}, "
-                             f"run.steps = {cfg.run.steps}); set a new run.name (its results: nearpolicy report "
-                             f"{run_dir}; its model: nearpolicy export {run_dir})")
+    own_steps = _finished_steps(run_dir) if checkpoints else None
+    if own_steps is not None:
+        raise RunExistsError(f"{run_dir} already holds a finished run (it trained all of its run.steps = {own_steps}); "
+                             f"set a new run.name (its results: nearpolicy report {run_dir}; its model: nearpolicy "
+                             f"export {run_dir})")
     if checkpoints:
         raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
                              f"with --resume ({resume_command(run_dir)}; for the main job `make train "
@@ -273,6 +273,19 @@ def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path
     skipped = f" (newer, damaged: {', '.join(p.name for p in checkpoints[checkpoints.index(path) + 1:])})" \
         if path != checkpoints[-1] else ""
     return FolderCheck(data, f"resumes {run_dir} from {path.name}{skipped}: steps {step + 1} to {cfg.run.steps}")
+
+
+def _finished_steps(run_dir: Path) -> int | None:
+    """The run's own run.steps (its config.json) when metrics.jsonl logged that step, i.e. the run finished (whatever
+    its last checkpoint holds: the final one may be weights only); None when it did not, or either file is unreadable
+    (the caller then gives its ordinary advice)."""
+    try:
+        steps = read_json_object(run_dir / "config.json").get("run", {}).get("steps")
+        logged = _last_logged_step(run_dir)
+    except RunFolderError:
+        return None
+    finished = isinstance(steps, int) and logged is not None and logged >= steps
+    return steps if finished else None
 
 
 def _last_logged_step(run_dir: Path) -> int | None:

@@ -151,13 +151,14 @@ def update_distill(cfg: Config, optimizer: torch.optim.Optimizer,
 def _load_teacher(cfg: Config, tokenizer, log=print) -> torch.nn.Module | None:
     if cfg.distill.teacher is None:
         return None
+    from nearpolicy.model.identity import teacher_error
     from nearpolicy.model.load import load_policy
 
     log(f"loading the teacher {cfg.distill.teacher}...")
     try:
         teacher, teacher_tokenizer = load_policy(cfg.distill.teacher, "distill.teacher")
     except (FileNotFoundError, ValueError) as err:
-        raise ValueError(f"distill.teacher: {err}") from None
+        raise teacher_error(str(err)) from None
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"distill.teacher {cfg.distill.teacher!r} has a different tokenizer from the policy")
     return teacher.float().eval().requires_grad_(False)
