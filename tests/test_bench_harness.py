@@ -280,9 +280,12 @@ def test_the_lora_table_is_what_the_script_prints_from_the_committed_cells():
                          "reward_variance/q8_0:full/q8_0", "mipu/q4_1:full/q4_1"], "methods-paired.md"),
     ("paired_cells.py", ["arena-distill.tar.gz", "forward/q8_0:reverse/q8_0", "ropd/q8_0:forward/q8_0",
                          "ropd/q8_0:reverse/q8_0"], "distill-paired.md"),
+    ("paired_cells.py", ["arena-mc-grpo-power.tar.gz", "mc_grpo_g1/G8:mc_grpo_g1/G2", "grpo/G8:grpo/G2",
+                         "mc_grpo_g1/G2:grpo/G2", "mc_grpo_g1/G8:grpo/G8"], "mc-grpo-power-paired.md"),
 ])
 def test_the_seed_method_tables_are_what_the_scripts_print_from_the_committed_cells(script, args, committed):
-    """docs/results.md secs. 17-19's tables (docs/bench/*.md) are the scripts' output on the committed packages."""
+    """docs/results.md secs. 17-19's tables and the problems x seeds column of docs/arena.md's MC-GRPO power arena
+    (docs/bench/*.md) are the scripts' output on the committed packages."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
