@@ -49,6 +49,19 @@ def test_a_busy_machine_is_a_warning_with_the_load_figures():
     assert busy.line() == ("[warn] load                     3.2 runnable processes (1-min load average) on 2 cores; "
                            "the machine is busy: timings and GEMM speed read low")
     assert machine_load(0.4, 2).line().endswith("on 2 cores, quiet") and machine_load(0.4, 2).ok
+    assert machine_load(3.2, 2, running_now=0).ok and not machine_load(3.2, 2, running_now=1.5).ok
+
+
+def test_others_running_reads_the_runnable_tasks_less_this_one(monkeypatch, tmp_path):
+    from nearpolicy import doctor
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\nprocs_running 4\nprocs_blocked 0\n")
+    real_path = doctor.Path
+    monkeypatch.setattr(doctor, "Path", lambda p: stat if p == "/proc/stat" else real_path(p))
+    assert doctor.others_running(samples=3, interval_s=0.0) == 3.0
+    stat.write_text("cpu  1 2 3\n")
+    assert doctor.others_running(samples=1) is None
 
 
 def test_memory_bandwidth_counts_stream_bytes(monkeypatch):

@@ -558,3 +558,7 @@ def test_a_run_warns_when_the_machine_is_busy_at_start():
     said = load_warning(5.0, 2)
     assert said.startswith("warning: 5.0 runnable processes (1-min load average) on 2 cores; the machine is busy")
     assert load_warning(0.9, 2) is None and load_warning(1.1, 2) is not None  # doctor's rule: above half the cores
+    # the 1-min average lags: work that just ended (make train's pip install) is no load when nothing else runs now
+    assert load_warning(1.9, 2, running_now=0) is None
+    assert load_warning(1.9, 2, running_now=2).startswith("warning: 1.9 runnable processes (1-min load average), 2 "
+                                                          "other running now on 2 cores; the machine is busy")

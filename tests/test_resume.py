@@ -58,8 +58,9 @@ def test_a_start_on_a_finished_run_points_to_report_and_export_not_to_resume(tmp
     cfg = _cfg(tmp_path, "run.steps=2", "run.name=f")
     run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
     (run / "checkpoints" / "step_000002" / "optimizer.safetensors").unlink()  # a weights-only final checkpoint
-    finished = rf"already holds a finished run \(it trained all of its run.steps = 2\); set a new run.name \(its " \
-               rf"results: nearpolicy report {run}; its model: nearpolicy export {run}\)$"
+    finished = rf"already holds a finished run \(it trained all of its run.steps = 2\); set a new run.name \(for " \
+               rf"the main job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run}; its " \
+               rf"model: nearpolicy export {run}\)$"
     for steps in (2, 5):  # the run's own run.steps decides, not the new config's
         with pytest.raises(RunExistsError, match=finished):
             check_run_folder(_cfg(tmp_path, f"run.steps={steps}", "run.name=f"), resume=False)

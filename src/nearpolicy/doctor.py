@@ -75,12 +75,34 @@ def engine_probe(extra_buffers: bool) -> Check:
                  required=not extra_buffers)
 
 
-def machine_load(load_1min: float, cores: int) -> Check:
-    """Whether other work competes for the cores: every time and GFLOP/s below (and any benchmark) reads low then."""
-    busy = load_1min > 0.5 * cores
-    said = f"{load_1min:.1f} runnable processes (1-min load average) on {cores} cores"
-    return Check("load", said + ("; the machine is busy: timings and GEMM speed read low" if busy else ", quiet"),
-                 ok=not busy, required=False)
+def machine_load(load_1min: float, cores: int, running_now: float | None = None) -> Check:
+    """Whether other work competes for the cores: every time and GFLOP/s below (and any benchmark) reads low then.
+    Busy when the 1-min load average exceeds half the cores and, where `running_now` (others_running) is known, so
+    do the other tasks runnable now: the average lags by a minute, so work that just ended (make train's own pip
+    install) would otherwise read as load."""
+    busy = load_1min > 0.5 * cores and (running_now is None or running_now > 0.5 * cores)
+    said = f"{load_1min:.1f} runnable processes (1-min load average)"
+    said += "" if running_now is None else f", {running_now:g} other running now"
+    return Check("load", f"{said} on {cores} cores" + (
+        "; the machine is busy: timings and GEMM speed read low" if busy else ", quiet"), ok=not busy, required=False)
+
+
+def others_running(samples: int = 5, interval_s: float = 0.05) -> float | None:
+    """The median over `samples` reads, `interval_s` apart, of the tasks runnable now (/proc/stat's procs_running)
+    less this one; None where /proc/stat has no such line (not Linux)."""
+    counts = []
+    for i in range(samples):
+        try:
+            lines = Path("/proc/stat").read_text().splitlines()
+        except OSError:
+            return None
+        found = [int(line.split()[1]) for line in lines if line.startswith("procs_running ")]
+        if not found:
+            return None
+        counts.append(max(0, found[0] - 1))
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return float(sorted(counts)[len(counts) // 2])
 
 
 def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
@@ -91,7 +113,7 @@ def checks(runs_dir: Path, probe: bool = True) -> list[Check]:
     simd = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + " ".join(SIMD_FLAGS)
     out = [Check("cpu", f"{model} ({platform.machine()})"),
            Check("cpu flags", simd, ok=platform.machine() != "x86_64" or "avx2" in flags),
-           machine_load(os.getloadavg()[0], os.cpu_count() or 1),
+           machine_load(os.getloadavg()[0], os.cpu_count() or 1, others_running()),
            Check("torch", f"{torch.__version__}, {torch.get_num_threads()} threads")]
     fp32, bw = gemm_gflops(torch.float32), memory_bandwidth()
     out += [Check("gemm fp32", f"{fp32:.0f} GFLOP/s (512^3, torch)"),

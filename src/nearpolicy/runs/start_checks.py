@@ -234,8 +234,8 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     own_steps = _finished_steps(run_dir) if checkpoints else None
     if own_steps is not None:
         raise RunExistsError(f"{run_dir} already holds a finished run (it trained all of its run.steps = {own_steps}); "
-                             f"set a new run.name (its results: nearpolicy report {run_dir}; its model: nearpolicy "
-                             f"export {run_dir})")
+                             f"set a new run.name (for the main job `make train ARGS=\"--set run.name=NEW\"`; its "
+                             f"results: nearpolicy report {run_dir}; its model: nearpolicy export {run_dir})")
     if checkpoints:
         raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
                              f"with --resume ({resume_command(run_dir)}; for the main job `make train "

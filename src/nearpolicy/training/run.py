@@ -50,14 +50,18 @@ def _open_trainer(cfg: Config, resume: bool, log: Callable[[str], None]):
         return None, (2, f"error: {err}\n{engine_advice(cfg)}")
 
 
-def load_warning(load_1min: float | None = None, cores: int | None = None) -> str | None:
+def load_warning(load_1min: float | None = None, cores: int | None = None, running_now: float | None = None
+                 ) -> str | None:
     """A warning line when other work competes for the cores (doctor.machine_load's rule: 1-min load above half the
-    cores), else None: steps then take far longer than the README's timings (docs/results.md sec. 10)."""
+    cores, and so many other tasks runnable now), else None: steps then take far longer than the README's timings
+    (docs/results.md sec. 10). Without arguments both are read from this machine."""
     import os
 
-    from nearpolicy.doctor import machine_load
+    from nearpolicy.doctor import machine_load, others_running
 
-    check = machine_load(os.getloadavg()[0] if load_1min is None else load_1min, cores or os.cpu_count() or 1)
+    if load_1min is None:
+        load_1min, running_now = os.getloadavg()[0], others_running()
+    check = machine_load(load_1min, cores or os.cpu_count() or 1, running_now)
     return None if check.ok else f"warning: {check.value}; each step will take far longer than on an idle machine"
 
 
