@@ -48,9 +48,10 @@ class ResolvedModel:
 
 
 def resolve_model(spec: str, setting: str = "model.path") -> ResolvedModel:
-    """Resolve a model setting (`model.path`, or `distill.teacher` named by `setting` in the messages): "smollm2" (the shipped GGUF), a packaged model's name ("gemma3-270m": its PyPI
-    package's GGUF, assembled once into cache_root() / "models" and sha256-checked, model/catalog.py), an existing
-    .gguf file, or an HF folder with config.json.
+    """Resolve a model setting (`model.path`, or `distill.teacher` named by `setting` in the messages): "smollm2"
+    (the shipped GGUF), a packaged model's name ("gemma3-270m": its PyPI package's GGUF, assembled once into
+    cache_root() / "models" and sha256-checked, model/catalog.py), an existing .gguf file, or an HF folder with
+    config.json.
 
     Raises FileNotFoundError naming `setting` when the path does not exist (or a packaged model's pip package is
     not installed); ValueError when the file is not a readable GGUF (bad magic, truncated), is neither .gguf nor a
@@ -99,7 +100,8 @@ def _check_gguf(path: str, size: int, mtime_ns: int) -> None:
 
 
 def load_policy(spec: str, setting: str = "model.path") -> tuple[Any, Any]:
-    """Load (model, tokenizer) for `model.path` (or the setting named by `setting`, for the messages) with transformers; the model is float32 on CPU in train mode.
+    """Load (model, tokenizer) for `model.path` (or the setting named by `setting`, for the messages) with
+    transformers; the model is float32 on CPU in train mode.
 
     A GGUF is dequantized to float32 (llama.cpp's q/k permutation undone) and rebuilt as a plain model, because
     transformers marks a GGUF-loaded model as quantized and refuses `save_pretrained` on it.

@@ -280,7 +280,8 @@ def _finished_steps(run_dir: Path) -> int | None:
     its last checkpoint holds: the final one may be weights only); None when it did not, or either file is unreadable
     (the caller then gives its ordinary advice)."""
     try:
-        steps = read_json_object(run_dir / "config.json").get("run", {}).get("steps")
+        run = read_json_object(run_dir / "config.json").get("run")
+        steps = run.get("steps") if isinstance(run, dict) else None
         logged = _last_logged_step(run_dir)
     except RunFolderError:
         return None
