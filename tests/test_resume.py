@@ -60,10 +60,16 @@ def test_a_start_on_a_finished_run_points_to_report_and_export_not_to_resume(tmp
     (run / "checkpoints" / "step_000002" / "optimizer.safetensors").unlink()  # a weights-only final checkpoint
     finished = rf"already holds a finished run \(it trained all of its run.steps = 2\); set a new run.name \(for " \
                rf"the main job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run}; its " \
-               rf"model: nearpolicy export {run}\)$"
+               rf"model: nearpolicy export {run}\), or to train further, resume with more steps: nearpolicy train " \
+               rf"--resume {run} --set run.steps=N \(N > 2\)$"
     for steps in (2, 5):  # the run's own run.steps decides, not the new config's
         with pytest.raises(RunExistsError, match=finished):
             check_run_folder(_cfg(tmp_path, f"run.steps={steps}", "run.name=f"), resume=False)
+    cosine = _cfg(tmp_path, "run.steps=2", "run.name=f", "algorithm.lr_schedule=cosine")
+    write_json(run / "config.json", cosine.model_dump(mode="json"))  # a decayed schedule cannot be extended
+    with pytest.raises(RunExistsError, match=r"its model: nearpolicy export [^)]*\), or its cosine lr schedule ended at "
+                                             r"run.steps, so it cannot be extended; to train further, start a new run"):
+        check_run_folder(cosine, resume=False)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # stopped at step 1 of 2: --resume continues it
     with pytest.raises(RunExistsError, match="continue it with --resume"):
         check_run_folder(cfg, resume=False)

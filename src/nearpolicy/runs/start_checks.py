@@ -231,11 +231,9 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     if resume:
         check_resume(run_dir, cfg, data)
         return _resume_check(run_dir, cfg, data, checkpoints)
-    own_steps = _finished_steps(run_dir) if checkpoints else None
-    if own_steps is not None:
-        raise RunExistsError(f"{run_dir} already holds a finished run (it trained all of its run.steps = {own_steps}); "
-                             f"set a new run.name (for the main job `make train ARGS=\"--set run.name=NEW\"`; its "
-                             f"results: nearpolicy report {run_dir}; its model: nearpolicy export {run_dir})")
+    finished = _finished_run(run_dir) if checkpoints else None
+    if finished is not None:
+        raise RunExistsError(f"{run_dir} already holds a finished run ({finished}")
     if checkpoints:
         raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
                              f"with --resume ({resume_command(run_dir)}; for the main job `make train "
@@ -263,30 +261,40 @@ def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path
         return FolderCheck(data, f"--resume in {run_dir}, which has {none}: starts from step 0")
     path, step = found
     if step >= cfg.run.steps:
-        further = (f"to train further, resume with more steps: nearpolicy train --resume {run_dir} --set run.steps=N "
-                   f"(N > {step})") if cfg.algorithm.lr_schedule == "constant" else (
-            f"its {cfg.algorithm.lr_schedule} lr schedule ended at run.steps, so it cannot be extended; to train "
-            f"further, start a new run from its exported checkpoint: nearpolicy export {run_dir}, then nearpolicy "
-            f"train --set model.path={run_dir}/export/step_{step:06d} --set run.name=NEW")
         raise RunFinished(f"nothing to do: {run_dir} is finished (its last checkpoint {path.name} is at step {step}, "
-                          f"run.steps = {cfg.run.steps}); {further}")
+                          f"run.steps = {cfg.run.steps}); {_further(run_dir, step, cfg.algorithm.lr_schedule)}")
     skipped = f" (newer, damaged: {', '.join(p.name for p in checkpoints[checkpoints.index(path) + 1:])})" \
         if path != checkpoints[-1] else ""
     return FolderCheck(data, f"resumes {run_dir} from {path.name}{skipped}: steps {step + 1} to {cfg.run.steps}")
 
 
-def _finished_steps(run_dir: Path) -> int | None:
-    """The run's own run.steps (its config.json) when metrics.jsonl logged that step, i.e. the run finished (whatever
-    its last checkpoint holds: the final one may be weights only); None when it did not, or either file is unreadable
-    (the caller then gives its ordinary advice)."""
+def _further(run_dir: Path, step: int, lr_schedule: str) -> str:
+    """How to train a finished run further: --resume with more steps under a constant lr, else a new run from its
+    export (a decaying schedule ended at run.steps)."""
+    if lr_schedule == "constant":
+        return f"to train further, resume with more steps: nearpolicy train --resume {run_dir} --set run.steps=N (N > {step})"
+    return (f"its {lr_schedule} lr schedule ended at run.steps, so it cannot be extended; to train further, start a "
+            f"new run from its exported checkpoint: nearpolicy export {run_dir}, then nearpolicy train --set "
+            f"model.path={run_dir}/export/step_{step:06d} --set run.name=NEW")
+
+
+def _finished_run(run_dir: Path) -> str | None:
+    """What to say of a run that finished (metrics.jsonl logged its own run.steps, from its config.json, whatever its
+    last checkpoint holds: the final one may be weights only): its step count and how to go on; None when it did not
+    finish, or a file is unreadable (the caller then gives its ordinary advice)."""
     try:
-        run = read_json_object(run_dir / "config.json").get("run")
-        steps = run.get("steps") if isinstance(run, dict) else None
+        config = read_json_object(run_dir / "config.json")
         logged = _last_logged_step(run_dir)
     except RunFolderError:
         return None
-    finished = isinstance(steps, int) and logged is not None and logged >= steps
-    return steps if finished else None
+    run, algorithm = config.get("run"), config.get("algorithm")
+    steps = run.get("steps") if isinstance(run, dict) else None
+    if not isinstance(steps, int) or logged is None or logged < steps:
+        return None
+    schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
+    return (f"it trained all of its run.steps = {steps}); set a new run.name (for the main job `make train "
+            f"ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run_dir}; its model: nearpolicy export "
+            f"{run_dir}), or {_further(run_dir, steps, schedule or 'constant')}")
 
 
 def _last_logged_step(run_dir: Path) -> int | None:
