@@ -50,6 +50,9 @@ def test_a_busy_machine_is_a_warning_with_the_load_figures():
                            "the machine is busy: timings and GEMM speed read low")
     assert machine_load(0.4, 2).line().endswith("on 2 cores, quiet") and machine_load(0.4, 2).ok
     assert machine_load(3.2, 2, running_now=0).ok and not machine_load(3.2, 2, running_now=1.5).ok
+    assert not machine_load(0.4, 2, running_now=5).ok  # work that just began: the 1-min average has not seen it
+    assert machine_load(0.4, 2, running_now=5).line().endswith(", 5 other tasks running now on 2 cores; the machine "
+                                                               "is busy: timings and GEMM speed read low")
 
 
 def test_others_running_reads_the_runnable_tasks_less_this_one(monkeypatch, tmp_path):
@@ -60,8 +63,9 @@ def test_others_running_reads_the_runnable_tasks_less_this_one(monkeypatch, tmp_
     real_path = doctor.Path
     monkeypatch.setattr(doctor, "Path", lambda p: stat if p == "/proc/stat" else real_path(p))
     assert doctor.others_running(samples=3, interval_s=0.0) == 3.0
-    stat.write_text("cpu  1 2 3\n")
-    assert doctor.others_running(samples=1) is None
+    for odd in ("cpu  1 2 3\n", "procs_running \n", "procs_running x\n"):  # no line, no number, not a number
+        stat.write_text(odd)
+        assert doctor.others_running(samples=1) is None
 
 
 def test_memory_bandwidth_counts_stream_bytes(monkeypatch):

@@ -561,4 +561,4 @@ def test_a_run_warns_when_the_machine_is_busy_at_start():
     # the 1-min average lags: work that just ended (make train's pip install) is no load when nothing else runs now
     assert load_warning(1.9, 2, running_now=0) is None
     assert load_warning(1.9, 2, running_now=2).startswith("warning: 1.9 runnable processes (1-min load average), 2 "
-                                                          "other running now on 2 cores; the machine is busy")
+                                                          "other tasks running now on 2 cores; the machine is busy")

@@ -55,21 +55,31 @@ def test_a_new_run_needs_a_folder_without_a_run(tmp_path):
 
 
 def test_a_start_on_a_finished_run_points_to_report_and_export_not_to_resume(tmp_path):
+    import shutil
+
     cfg = _cfg(tmp_path, "run.steps=2", "run.name=f")
     run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
-    (run / "checkpoints" / "step_000002" / "optimizer.safetensors").unlink()  # a weights-only final checkpoint
-    finished = rf"already holds a finished run \(it trained all of its run.steps = 2\); set a new run.name \(for " \
-               rf"the main job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run}; its " \
-               rf"model: nearpolicy export {run}\), or to train further, resume with more steps: nearpolicy train " \
-               rf"--resume {run} --set run.steps=N \(N > 2\)$"
+    head = (rf"already holds a finished run \(it trained all of its run.steps = 2\); set a new run.name \(for the main "
+            rf"job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run}; its model: "
+            rf"nearpolicy export {run}\), or ")
     for steps in (2, 5):  # the run's own run.steps decides, not the new config's
-        with pytest.raises(RunExistsError, match=finished):
+        with pytest.raises(RunExistsError, match=head + rf"to train further, resume with more steps: nearpolicy train "
+                                                        rf"--resume {run} --set run.steps=N \(N > 2\)$"):
             check_run_folder(_cfg(tmp_path, f"run.steps={steps}", "run.name=f"), resume=False)
     cosine = _cfg(tmp_path, "run.steps=2", "run.name=f", "algorithm.lr_schedule=cosine")
     write_json(run / "config.json", cosine.model_dump(mode="json"))  # a decayed schedule cannot be extended
-    with pytest.raises(RunExistsError, match=r"its model: nearpolicy export [^)]*\), or its cosine lr schedule ended at "
-                                             r"run.steps, so it cannot be extended; to train further, start a new run"):
+    with pytest.raises(RunExistsError, match=head + r"its cosine lr schedule ended at run.steps, so it cannot be "
+                                                    r"extended; to train further, start a new run"):
         check_run_folder(cosine, resume=False)
+    (run / "checkpoints" / "step_000002" / "optimizer.safetensors").unlink()  # a weights-only final checkpoint
+    with pytest.raises(RunExistsError, match=head + r"its last checkpoint holds the weights only, so it cannot be "
+                                                    rf"resumed; .* --set model.path={run}/export/step_000002 "):
+        check_run_folder(cosine, resume=False)
+    shutil.rmtree(run / "checkpoints" / "step_000002")  # killed between step 2's metrics row and its checkpoint
+    with pytest.raises(RunExistsError, match=r"already holds a run \(last checkpoint step_000001\); continue it with "
+                                             r"--resume"):
+        check_run_folder(cosine, resume=False)
+    save_small_checkpoint(run, 2)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # stopped at step 1 of 2: --resume continues it
     with pytest.raises(RunExistsError, match="continue it with --resume"):
         check_run_folder(cfg, resume=False)

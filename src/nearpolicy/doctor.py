@@ -77,12 +77,12 @@ def engine_probe(extra_buffers: bool) -> Check:
 
 def machine_load(load_1min: float, cores: int, running_now: float | None = None) -> Check:
     """Whether other work competes for the cores: every time and GFLOP/s below (and any benchmark) reads low then.
-    Busy when the 1-min load average exceeds half the cores and, where `running_now` (others_running) is known, so
-    do the other tasks runnable now: the average lags by a minute, so work that just ended (make train's own pip
-    install) would otherwise read as load."""
-    busy = load_1min > 0.5 * cores and (running_now is None or running_now > 0.5 * cores)
+    Busy when the other tasks runnable now (`running_now`, others_running) exceed half the cores; where that is
+    unknown (not Linux), when the 1-min load average does. The average lags by about a minute both ways: work that
+    just ended (make train's own pip install) would read as load, work that just began as none."""
+    busy = (running_now if running_now is not None else load_1min) > 0.5 * cores
     said = f"{load_1min:.1f} runnable processes (1-min load average)"
-    said += "" if running_now is None else f", {running_now:g} other running now"
+    said += "" if running_now is None else f", {running_now:g} other tasks running now"
     return Check("load", f"{said} on {cores} cores" + (
         "; the machine is busy: timings and GEMM speed read low" if busy else ", quiet"), ok=not busy, required=False)
 
@@ -94,15 +94,12 @@ def others_running(samples: int = 5, interval_s: float = 0.05) -> float | None:
     for i in range(samples):
         try:
             lines = Path("/proc/stat").read_text().splitlines()
-        except OSError:
+            counts.append(max(0, int(next(line for line in lines if line.startswith("procs_running ")).split()[1]) - 1))
+        except (OSError, StopIteration, IndexError, ValueError):  # no /proc/stat, no such line, or an odd one
             return None
-        found = [int(line.split()[1]) for line in lines if line.startswith("procs_running ")]
-        if not found:
-            return None
-        counts.append(max(0, found[0] - 1))
         if i + 1 < samples:
             time.sleep(interval_s)
-    return float(sorted(counts)[len(counts) // 2])
+    return float(sorted(counts)[len(counts) // 2]) if counts else None
 
 
 def checks(runs_dir: Path, probe: bool = True) -> list[Check]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,7 +232,7 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     if resume:
         check_resume(run_dir, cfg, data)
         return _resume_check(run_dir, cfg, data, checkpoints)
-    finished = _finished_run(run_dir) if checkpoints else None
+    finished = _finished_run(run_dir, checkpoints)
     if finished is not None:
         raise RunExistsError(f"{run_dir} already holds a finished run ({finished}")
     if checkpoints:
@@ -268,20 +269,22 @@ def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path
     return FolderCheck(data, f"resumes {run_dir} from {path.name}{skipped}: steps {step + 1} to {cfg.run.steps}")
 
 
-def _further(run_dir: Path, step: int, lr_schedule: str) -> str:
+def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = False) -> str:
     """How to train a finished run further: --resume with more steps under a constant lr, else a new run from its
-    export (a decaying schedule ended at run.steps)."""
-    if lr_schedule == "constant":
-        return f"to train further, resume with more steps: nearpolicy train --resume {run_dir} --set run.steps=N (N > {step})"
-    return (f"its {lr_schedule} lr schedule ended at run.steps, so it cannot be extended; to train further, start a "
-            f"new run from its exported checkpoint: nearpolicy export {run_dir}, then nearpolicy train --set "
-            f"model.path={run_dir}/export/step_{step:06d} --set run.name=NEW")
+    export (a decaying schedule ended at run.steps; a weights-only final checkpoint cannot be resumed)."""
+    folder = shlex.quote(str(run_dir))
+    if lr_schedule == "constant" and not weights_only:
+        return f"to train further, resume with more steps: nearpolicy train --resume {folder} --set run.steps=N (N > {step})"
+    why = ("its last checkpoint holds the weights only, so it cannot be resumed" if weights_only else
+           f"its {lr_schedule} lr schedule ended at run.steps, so it cannot be extended")
+    return (f"{why}; to train further, start a new run from its exported checkpoint: nearpolicy export {folder}, then "
+            f"nearpolicy train --set model.path={shlex.quote(f'{run_dir}/export/step_{step:06d}')} --set run.name=NEW")
 
 
-def _finished_run(run_dir: Path) -> str | None:
-    """What to say of a run that finished (metrics.jsonl logged its own run.steps, from its config.json, whatever its
-    last checkpoint holds: the final one may be weights only): its step count and how to go on; None when it did not
-    finish, or a file is unreadable (the caller then gives its ordinary advice)."""
+def _finished_run(run_dir: Path, checkpoints: list[Path]) -> str | None:
+    """What to say of a run that finished (its own run.steps, from its config.json, logged in metrics.jsonl and
+    checkpointed: the final checkpoint's folder is there, whole or weights only): its step count and how to go on;
+    None when it did not finish, or a file is unreadable (the caller then gives its ordinary advice)."""
     try:
         config = read_json_object(run_dir / "config.json")
         logged = _last_logged_step(run_dir)
@@ -289,12 +292,15 @@ def _finished_run(run_dir: Path) -> str | None:
         return None
     run, algorithm = config.get("run"), config.get("algorithm")
     steps = run.get("steps") if isinstance(run, dict) else None
-    if not isinstance(steps, int) or logged is None or logged < steps:
+    final = next((path for path in checkpoints if path.name == f"step_{steps:06d}"), None) \
+        if isinstance(steps, int) and not isinstance(steps, bool) else None
+    if final is None or logged is None or logged < steps:  # a kill between the metrics and the checkpoint
         return None
     schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
+    weights_only = not (final / "optimizer.safetensors").exists()
     return (f"it trained all of its run.steps = {steps}); set a new run.name (for the main job `make train "
             f"ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run_dir}; its model: nearpolicy export "
-            f"{run_dir}), or {_further(run_dir, steps, schedule or 'constant')}")
+            f"{run_dir}), or {_further(run_dir, steps, schedule or 'constant', weights_only)}")
 
 
 def _last_logged_step(run_dir: Path) -> int | None:
