@@ -232,9 +232,8 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     if resume:
         check_resume(run_dir, cfg, data)
         return _resume_check(run_dir, cfg, data, checkpoints)
-    finished = _finished_run(run_dir, checkpoints)
-    if finished is not None:
-        raise RunExistsError(f"{run_dir} already holds a finished run ({finished}")
+    if (finished := _finished_run(run_dir, checkpoints)) is not None:
+        raise RunExistsError(finished)
     if checkpoints:
         raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
                              f"with --resume ({resume_command(run_dir)}; for the main job `make train "
@@ -274,7 +273,8 @@ def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = Fa
     export (a decaying schedule ended at run.steps; a weights-only final checkpoint cannot be resumed)."""
     folder = shlex.quote(str(run_dir))
     if lr_schedule == "constant" and not weights_only:
-        return f"to train further, resume with more steps: nearpolicy train --resume {folder} --set run.steps=N (N > {step})"
+        return (f"to train further, resume with more steps: nearpolicy train --resume {folder} --set run.steps=N "
+                f"(N > {step})")
     why = ("its last checkpoint holds the weights only, so it cannot be resumed" if weights_only else
            f"its {lr_schedule} lr schedule ended at run.steps, so it cannot be extended")
     return (f"{why}; to train further, start a new run from its exported checkpoint: nearpolicy export {folder}, then "
@@ -282,25 +282,28 @@ def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = Fa
 
 
 def _finished_run(run_dir: Path, checkpoints: list[Path]) -> str | None:
-    """What to say of a run that finished (its own run.steps, from its config.json, logged in metrics.jsonl and
-    checkpointed: the final checkpoint's folder is there, whole or weights only): its step count and how to go on;
-    None when it did not finish, or a file is unreadable (the caller then gives its ordinary advice)."""
+    """The refusal of a plain start on a run that finished (its own run.steps, from its config.json, checkpointed, the
+    final checkpoint's folder whole or weights only, and logged in metrics.jsonl): its step count and how to go on;
+    None when it did not finish, or a file is unreadable (the caller then gives its ordinary advice). metrics.jsonl is
+    read only when the final checkpoint is there."""
     try:
         config = read_json_object(run_dir / "config.json")
-        logged = _last_logged_step(run_dir)
+        run, algorithm = config.get("run"), config.get("algorithm")
+        steps = run.get("steps") if isinstance(run, dict) else None
+        if not isinstance(steps, int) or isinstance(steps, bool):
+            return None
+        final = next((path for path in checkpoints if path.name == f"step_{steps:06d}"), None)
+        logged = None if final is None else _last_logged_step(run_dir)
     except RunFolderError:
         return None
-    run, algorithm = config.get("run"), config.get("algorithm")
-    steps = run.get("steps") if isinstance(run, dict) else None
-    final = next((path for path in checkpoints if path.name == f"step_{steps:06d}"), None) \
-        if isinstance(steps, int) and not isinstance(steps, bool) else None
-    if final is None or logged is None or logged < steps:  # a kill between the metrics and the checkpoint
+    if logged is None or logged < steps:  # not there, or a kill between the metrics and the checkpoint
         return None
     schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
     weights_only = not (final / "optimizer.safetensors").exists()
-    return (f"it trained all of its run.steps = {steps}); set a new run.name (for the main job `make train "
-            f"ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run_dir}; its model: nearpolicy export "
-            f"{run_dir}), or {_further(run_dir, steps, schedule or 'constant', weights_only)}")
+    return (f"{run_dir} already holds a finished run (it trained all of its run.steps = {steps}); set a new run.name "
+            f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run_dir}; "
+            f"its model: nearpolicy export {run_dir}), or "
+            f"{_further(run_dir, steps, schedule or 'constant', weights_only)}")
 
 
 def _last_logged_step(run_dir: Path) -> int | None:
