@@ -360,3 +360,47 @@ def test_dry_run_states_the_rule_and_lists_the_cells_seed_major(tmp_path):
     cells = [line.split()[0] for line in out.splitlines() if not line.startswith("#")]
     assert cells == _ids(range(5))
     assert not (tmp_path / "out").exists()
+
+
+# ---- arena.stop_for: the comparisons the rule waits for -------------------------------------------------------
+
+WAIT = 'stop_for = ["tis vs off under noise", "off: noise vs q8"]'
+
+
+def test_stop_for_is_read_and_names_only_the_arenas_comparisons(tmp_path):
+    spec = load_arena(_arena(tmp_path, _add(WAIT, ARENA)))
+    assert spec.sequential.stop_for == ("tis vs off under noise", "off: noise vs q8")
+    assert spec.sequential.waits_for("off: noise vs q8") and not spec.sequential.waits_for("tis vs off under q8")
+    assert load_arena(_arena(tmp_path)).sequential.waits_for("tis vs off under q8")  # default: every comparison
+
+
+@pytest.mark.parametrize("line,match", [
+    ('stop_for = "tis vs off under q8"', "arena.stop_for must be a non-empty list of comparison labels"),
+    ("stop_for = []", "arena.stop_for must be a non-empty list"),
+    ('stop_for = ["tis vs off under q4_1"]', r"arena.stop_for: 'tis vs off under q4_1' is not one of this arena's "
+                                            r"comparisons: 'tis vs off under q8'; 'tis vs off under noise'; "
+                                            r"'off: noise vs q8'; 'tis: noise vs q8'"),
+    ('stop_for = ["off: noise vs q8", "off: noise vs q8"]', "arena.stop_for lists a comparison twice"),
+], ids=["string", "empty", "unknown", "twice"])
+def test_bad_stop_for_is_refused_listing_the_valid_labels(tmp_path, line, match):
+    with pytest.raises(ArenaError, match=match):
+        load_arena(_arena(tmp_path, _add(line, ARENA)))
+
+
+def test_the_arena_stops_once_the_comparisons_it_waits_for_settle(tmp_path):
+    # `noisy`: tis under q8 scatters, so its two comparisons never settle and every seed runs without stop_for
+    # (test_a_comparison_that_never_settles_runs_every_seed_seed_major); waiting only for the two comparisons
+    # without it, both settle at the first look and the arena stops after 3 of 5 seeds
+    spec = load_arena(_arena(tmp_path, _add(WAIT, ARENA)), out=tmp_path / "out")
+    train, lines = FakeTrain(noisy), []
+    assert run_arena(spec, say=lines.append, train=train) == 0
+    assert [c for c, _ in train.calls] == _ids([0, 1, 2])
+    record = json.loads((tmp_path / "out" / sequential.RECORD).read_text())
+    assert record["rule"]["stop_for"] == list(spec.sequential.stop_for)
+    assert [v["label"] for v in record["looks"][0]["verdicts"]] == list(spec.sequential.stop_for)
+    assert record["stopped"]["skipped"] == _ids([3, 4])
+    md = (tmp_path / "out" / "arena.md").read_text()
+    assert "the comparisons it waits for (arena.stop_for): tis vs off under noise; off: noise vs q8" in md
+    assert "every comparison it waits for settled" in md
+    assert "tis vs off under q8" in md  # the page still reports the comparison the rule did not wait for
+    assert "the comparisons it waits for (arena.stop_for): tis vs off under noise" in dry_run(spec)

@@ -23,6 +23,7 @@ import numpy as np
 
 from nearpolicy.arena.paired import (MOST_SEEDS, Paired, paired_bootstrap, paired_seeds, problem_noise_floor,
                                      seeds_for_mde, t975, verdict)
+from nearpolicy.arena.keys import arm_pairs, pair_label  # noqa: F401 (arm_pairs re-exported)
 from nearpolicy.arena.table import MIN_SEEDS, Aggregate, CellResult, Comparison, compare
 
 
@@ -84,10 +85,8 @@ class PairedComparison:
 
     @property
     def label(self) -> str:
-        """'tis vs off under q4_1' (two corrections) or 'bypass: eta4 vs eta1' (two sources)."""
-        if self.arm[1] == self.base[1]:
-            return f"{self.arm[0]} vs {self.base[0]} under {self.arm[1]}"
-        return f"{self.arm[0]}: {self.arm[1]} vs {self.base[1]}"
+        """'tis vs off under q4_1' (two corrections) or 'bypass: eta4 vs eta1' (two sources): keys.pair_label."""
+        return pair_label(self.arm, self.base)
 
     def statement(self) -> str:
         """One sentence: the paired verdict over seeds, the bootstrap's (or why there is none), Welch's bound."""
@@ -120,13 +119,6 @@ class PairedComparison:
                     f"is not bounded here; it is in the bootstrap over problems x seeds, where available")
         return (f"SE {p.se:.3f}, the seeds' alone: the noise of the training samples behind each step's mean reward "
                 f"is inside each seed's value, so the seeds' spread holds it (eval set floor 0)")
-
-
-def arm_pairs(corrections: list[str], sources: list[str], baseline: str) -> list[tuple[tuple[str, str], ...]]:
-    """The (arm, base) pairs compared: each correction but the baseline against the baseline under each source,
-    then each source but the first against the first for each correction."""
-    pairs = [((c, s), (baseline, s)) for s in sources for c in corrections if c != baseline]
-    return pairs + [((c, s), (c, sources[0])) for c in corrections for s in sources[1:]]
 
 
 def _accuracies(results: list[CellResult], arm: tuple[str, str], which: str) -> dict[int, CellResult]:

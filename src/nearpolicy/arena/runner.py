@@ -133,10 +133,10 @@ def seed_major(spec: ArenaSpec, cells: list[Cell]) -> list[Cell]:
 
 
 def look(spec: ArenaSpec, state: ArenaState, rule: sequential.Rule, history: list, done: int) -> sequential.Decision:
-    """The rule's look after the first `done` seeds of arena.seeds: each comparison of comparisons.arm_pairs of the
-    arena.stop_on outcome, paired over those seeds' results only (later seeds' cells, if any ran, are left out),
+    """The rule's look after the first `done` seeds of arena.seeds: each comparison the rule waits for (arena.stop_for;
+    default every one of comparisons.arm_pairs) of the arena.stop_on outcome, paired over those seeds' results only (later seeds' cells, if any ran, are left out),
     judged at the rule's level and appended to `history`; returns sequential.decide's decision."""
-    from nearpolicy.arena.comparisons import arm_pairs, compare_paired
+    from nearpolicy.arena.comparisons import arm_pairs, compare_paired, pair_label
     from nearpolicy.arena.table import arena_results
 
     seeds = spec.seeds[:done]
@@ -144,6 +144,8 @@ def look(spec: ArenaSpec, state: ArenaState, rule: sequential.Rule, history: lis
     eval_size, which = spec.cells[0].config.task.eval_size, spec.sequential.stop_on
     judgments = []
     for arm, base in arm_pairs([c.name for c in spec.corrections], [s.name for s in spec.sources], spec.baseline):
+        if not spec.sequential.waits_for(pair_label(arm, base)):
+            continue
         paired = compare_paired(results, [], arm, base, which, eval_size)
         judgments.append(sequential.judge(paired.label, paired.seeds, rule.level, rule.target_mde, paired.reason))
     history.append(judgments)
@@ -172,7 +174,8 @@ def _take_look(spec: ArenaSpec, state: ArenaState, rule: sequential.Rule, histor
         for cid in skipped:
             state.cells[cid].status = "skipped"
         state.save()
-    sequential.write_record(spec.out, sequential.record(rule, spec.sequential.stop_on, decisions, skipped))
+    sequential.write_record(spec.out, sequential.record(rule, spec.sequential.stop_on, decisions, skipped,
+                                                        spec.sequential.stop_for))
     if done == len(spec.seeds):
         _report(decision, f"sequential: every seed run, {where}: ", rule.target_mde, say)
     elif stops:
@@ -297,7 +300,8 @@ def dry_run(spec: ArenaSpec, only: str | list[str] | None = None, workers: int =
     lines += [f"# warning: {warning}" for warning in oversubscribed(workers, chosen)]
     if rule is not None:
         first = sum(c.seed in spec.seeds[:rule.min_seeds] for c in chosen)
-        lines += [f"# {line}" for line in sequential.rule_lines(rule, spec.sequential.stop_on)]
+        lines += [f"# {line}" for line in sequential.rule_lines(rule, spec.sequential.stop_on,
+                                                                          spec.sequential.stop_for)]
         lines.append(f"# sequential: at least {first} of the {len(chosen)} selected cells run (the first "
                      f"{rule.min_seeds} seeds), at most all {len(chosen)}")
     for cell in chosen:

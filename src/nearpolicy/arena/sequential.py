@@ -7,9 +7,10 @@ The rule. An arena lists S seeds (the most it will run) and min_seeds = m (>= 3)
 cell of the first seed, then of the next), so after each seed every arm has the same seeds. After the i-th seed,
 i = m .. S, the rule takes look j = i - m + 1 of K = S - m + 1 planned looks, over the first i seeds of the list,
 at the two-sided level alpha / K (alpha = ALPHA = 0.05); later seeds' results, if any cell of them ran (an
-earlier sitting without the rule), are left out of the look. For each comparison of comparisons.arm_pairs of the chosen
-outcome (arena.stop_on), paired over the matched seeds (paired.paired_seeds: difference d, SE with the eval set's
-floor, df = n - 1):
+earlier sitting without the rule), are left out of the look. For each comparison the rule waits for
+(arena.stop_for, stop_settings.py; default every one of comparisons.arm_pairs) of the chosen outcome
+(arena.stop_on), paired over the matched seeds (paired.paired_seeds: difference d, SE with the eval set's floor,
+df = n - 1):
 
 - CI_j = d +- t_{1 - alpha / (2K), df} x SE, MDE_j = M(alpha / K, df) x SE (M below);
 - the comparison is settled at look j as an **effect** when CI_j excludes 0, or as a **null** when CI_j contains 0
@@ -17,7 +18,9 @@ floor, df = n - 1):
   with probability >= 0.80 at this look's level). Without a paired result (fewer than 3 matched seeds, an arm
   without an accuracy) or with SE ~ 0 (no spread to bound it: paired.verdict's "not established") it is not settled.
 - A comparison stays settled at the first look that settles it (its verdict is that look's); the arena stops before
-  the next seed once every comparison is settled, and the remaining seeds' cells are recorded as "skipped".
+  the next seed once every comparison it waits for is settled, and the remaining seeds' cells are recorded as
+  "skipped". The comparisons it does not wait for are not judged by the rule; the page reports them with their
+  fixed-sample 95 % CIs like every comparison.
 
 Error rate. For one comparison with no true difference, each look falsely excludes 0 with probability alpha / K
 (the paired t interval at that level: exact for normal per-seed differences, at most that with the eval set's floor,
@@ -175,24 +178,33 @@ def verdict_lines(decision: Decision, target_mde: float) -> list[str]:
     return lines
 
 
-def rule_lines(rule: Rule, stop_on: str) -> list[str]:
-    """The rule in words for --dry-run: K, the per-look level, the target MDE, each look's t and MDE multipliers."""
+def _waiting(stop_for) -> str:
+    """' it waits for (arena.stop_for): a; b' or '' (every comparison)."""
+    return f"; the comparisons it waits for (arena.stop_for): {'; '.join(stop_for)}" if stop_for else ""
+
+
+def rule_lines(rule: Rule, stop_on: str, stop_for: tuple[str, ...] = ()) -> list[str]:
+    """The rule in words for --dry-run: K, the per-look level, the target MDE, the comparisons it waits for (every
+    one unless arena.stop_for names some), each look's t and MDE multipliers."""
     looks = "; ".join(f"look {j} after {rule.min_seeds + j - 1} seeds: t {t_quantile(1 - rule.level / 2, df):.3f}, "
                       f"MDE {mde_multiplier(rule.level, df):.3f} x SE"
                       for j, df in ((j, rule.min_seeds + j - 2) for j in range(1, rule.looks + 1)))
     return [f"sequential stopping on the {stop_on} outcome: K = {rule.looks} look(s) ({rule.max_seeds} seeds listed, "
             f"min_seeds {rule.min_seeds}), each at two-sided level {rule.alpha} / {rule.looks} = {rule.level:.4f} "
             f"(Bonferroni: false effect <= {rule.alpha} per comparison); settled when the CI excludes 0, or contains "
-            f"0 with MDE (80 % power) <= target {rule.target_mde}; cells run seed by seed",
+            f"0 with MDE (80 % power) <= target {rule.target_mde}; cells run seed by seed{_waiting(stop_for)}",
             looks]
 
 
-def record(rule: Rule, stop_on: str, decisions: list[Decision], skipped: list[str] | None) -> dict:
-    """The JSON record of the looks taken (OUT/arena-sequential.json): the rule, every look's decision, and, when
-    the last look stopped the arena before its last seed, `stopped` with the cells it skipped (`skipped` None:
-    no stop; [] a stop whose later cells had all run already)."""
+def record(rule: Rule, stop_on: str, decisions: list[Decision], skipped: list[str] | None,
+           stop_for: tuple[str, ...] = ()) -> dict:
+    """The JSON record of the looks taken (OUT/arena-sequential.json): the rule (with the comparisons it waits for,
+    `stop_for`, [] for all), every look's decision over those comparisons, and, when the last look stopped the
+    arena before its last seed, `stopped` with the cells it skipped (`skipped` None: no stop; [] a stop whose
+    later cells had all run already)."""
     last = decisions[-1] if decisions else None
-    return {"format": FORMAT, "rule": asdict(rule) | {"looks": rule.looks, "level": rule.level, "stop_on": stop_on},
+    return {"format": FORMAT, "rule": asdict(rule) | {"looks": rule.looks, "level": rule.level, "stop_on": stop_on,
+                                                      "stop_for": list(stop_for)},
             "looks": [asdict(d) | {"stop": d.stop} for d in decisions],
             "stopped": None if last is None or skipped is None else
             {"look": last.look, "after_seeds": list(last.seeds), "skipped": skipped}}
@@ -221,17 +233,18 @@ def page_lines(data: dict) -> list[str]:
     head = (f"Rule: K = {rule['looks']} looks from {rule['min_seeds']} of {rule['max_seeds']} seeds, each at two-sided "
             f"level {rule['level']:.4f} (alpha {rule['alpha']} / K: Bonferroni over the looks, so a false 'difference "
             f"detected' has probability <= {rule['alpha']} per comparison), outcome {rule['stop_on']}, a null settled "
-            f"at MDE <= {rule['target_mde']}. The CIs below are at that level, not 95 %.")
+            f"at MDE <= {rule['target_mde']}{_waiting(rule.get('stop_for'))}. The CIs below are at that level, "
+            f"not 95 %.")
     if not looks:
         return [head, "No look taken yet."]
     last, stopped = looks[-1], data.get("stopped")
     seeds = ", ".join(map(str, last["seeds"]))
     if stopped:
-        state = (f"Stopped after look {last['look']} (seeds {seeds}): every comparison settled; skipped: "
-                 f"{', '.join(stopped['skipped']) or 'none (the later cells had run already)'}.")
+        state = (f"Stopped after look {last['look']} (seeds {seeds}): every comparison it waits for settled; "
+                 f"skipped: {', '.join(stopped['skipped']) or 'none (the later cells had run already)'}.")
     else:
         state = (f"Last look {last['look']} of {last['looks']} over seeds {seeds}: "
-                 f"{'every' if last['stop'] else 'not every'} comparison settled.")
+                 f"{'every' if last['stop'] else 'not every'} comparison it waits for settled.")
     decision = Decision(last["look"], last["looks"], last["level"], tuple(last["seeds"]), tuple(
         Verdict(v["label"], v["settled_at"], Judgment(**v["settled"]) if v["settled"] else None, Judgment(**v["now"]))
         for v in last["verdicts"]))

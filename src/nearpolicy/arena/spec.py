@@ -13,10 +13,11 @@
     vary = ["run.steps"]             # SAME_KEYS cells may differ in on purpose (default: none)
     late_steps = 3                   # N of the outcome "mean training reward of the last N steps" (int >= 1, at
                                      # most every cell's run.steps; default: max(1, run.steps // 4) per cell)
-    sequential = false               # true: run seed by seed, stop once every comparison is settled (sequential.py)
+    sequential = false               # true: run seed by seed, stop once the comparisons are settled (sequential.py)
     target_mde = 0.05                # a CI containing 0 with an MDE <= this settles as a null (in (0, 1); required)
     min_seeds = 3                    # the first look after this many seeds (>= 3; the seeds listed are the most run)
     stop_on = "final"                # the outcome the rule judges (one of OUTCOME_NAMES)
+    stop_for = ["tis vs off under q4_1"]   # the comparisons the rule waits for (default: all; stop_settings.py)
 
     [corrections]                    # the arms: a preset, --set overrides, or both
     off = { preset = "off" }
@@ -40,7 +41,6 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-import re
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -49,29 +49,9 @@ from typing import Any
 
 from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
 from nearpolicy.config.checks import read_toml
-
-OUTCOME_NAMES = ("final", "best", "auc", "late_reward")  # the outcomes an arena compares (comparisons.OUTCOMES)
-
-NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]|_(?!_))*(?<![._-])$")
-"""Arm names: letters, digits, '.', '-', '_'; starting and ending with a letter or digit, no '__' (the cell folder
-joins the names with '__', so no two cells can share a folder)."""
-OWNED_KEYS = ("run.seed", "run.name", "run.output_dir")
-ARENA_KEYS = ("base", "seeds", "set", "out", "baseline", "keep_checkpoints", "step_seconds", "eval_seconds",
-              "start_seconds", "vary", "late_steps", "sequential", "target_mde", "min_seeds", "stop_on")
-SAME_KEYS = ("run.steps", "logging.eval_every", "logging.eval_policy", "sampling.max_new_tokens",
-             "algorithm.prompts_per_step", "algorithm.group_size")
-"""The budget and the held-out eval: every cell must agree on these (and on every task.* key) unless arena.vary
-lists the key (task.* never: the held-out set must be the same problems), except DRAW_KEYS."""
-DRAW_KEYS = ("mixture", "mixture_decay", "mixture_floor")
-"""task.* keys that only choose which training problems a step draws (the held-out eval is the same): arms may
-differ in them."""
-TOP_KEYS = ("arena", "corrections", "sources", "override")
-
-
-class ArenaError(ValueError):
-    """An arena file that cannot be run: bad TOML, a missing base file, a repeated or unusable name or seed, an
-    unknown key (named), or a cell whose config does not validate (the ConfigError's message, with the arm named)."""
-
+from nearpolicy.arena.keys import (  # noqa: F401 (ArenaError, OUTCOME_NAMES re-exported)
+    ARENA_KEYS, DRAW_KEYS, NAME, OUTCOME_NAMES, OWNED_KEYS, SAME_KEYS, TOP_KEYS, ArenaError)
+from nearpolicy.arena.stop_settings import Sequential, parse_sequential  # noqa: F401 (Sequential re-exported)
 
 @dataclass(frozen=True)
 class Arm:
@@ -115,16 +95,6 @@ class Estimates:
     step_seconds: float = 7.0
     eval_seconds: float = 4.0
     start_seconds: float = 25.0
-
-
-@dataclass(frozen=True)
-class Sequential:
-    """arena.sequential = true's settings (sequential.py has the rule): a comparison of the `stop_on` outcome is
-    settled as a null when its CI contains 0 and its MDE is <= `target_mde`; looks start after `min_seeds` seeds."""
-
-    target_mde: float
-    min_seeds: int = 3
-    stop_on: str = "final"
 
 
 @dataclass(frozen=True)
@@ -282,34 +252,8 @@ def load_arena(path: Path, out: Path | None = None) -> ArenaSpec:
     cells = _cells(spec, base_data, common, _overrides(data.get("override", [])))
     _same_eval(cells, _vary(arena.get("vary", [])))
     return replace(spec, cells=tuple(cells), late_steps=_late_steps(arena.get("late_steps"), cells),
-                   sequential=_sequential(arena, len(spec.seeds)))
-
-
-def _sequential(arena: dict, seeds: int) -> Sequential | None:
-    """arena.sequential's settings when it is true (None when false or absent); target_mde, min_seeds and stop_on
-    are validated either way. Raises ArenaError naming the key: sequential not a boolean, target_mde not in (0, 1)
-    (or missing with sequential = true), min_seeds not an integer >= 3 (and, when on, at most the seeds listed),
-    stop_on not one of OUTCOME_NAMES."""
-
-    on = arena.get("sequential", False)
-    if not isinstance(on, bool):
-        raise ArenaError(f"arena.sequential must be true or false, got {on!r}")
-    target = arena.get("target_mde")
-    if target is None and on:
-        raise ArenaError("arena.target_mde is required with arena.sequential = true: the MDE (accuracy units, in "
-                         "(0, 1), e.g. 0.05) at which a comparison whose CI contains 0 counts as settled")
-    if target is not None and not (isinstance(target, (int, float)) and not isinstance(target, bool)
-                                   and 0 < target < 1):
-        raise ArenaError(f"arena.target_mde must be a number in (0, 1) (an MDE in accuracy units), got {target!r}")
-    least = arena.get("min_seeds", 3)
-    if not (isinstance(least, int) and not isinstance(least, bool) and 3 <= least <= (seeds if on else least)):
-        raise ArenaError(f"arena.min_seeds must be an integer >= 3 and at most the {seeds} seeds listed in "
-                         f"arena.seeds (the first look is after min_seeds seeds), got {least!r}")
-    stop_on = arena.get("stop_on", "final")
-    if stop_on not in OUTCOME_NAMES:
-        raise ArenaError(f"arena.stop_on must be one of {', '.join(OUTCOME_NAMES)} (the outcome the rule judges), "
-                         f"got {stop_on!r}")
-    return Sequential(float(target), least, stop_on) if on else None
+                   sequential=parse_sequential(arena, len(spec.seeds), [c.name for c in spec.corrections],
+                                               [s.name for s in spec.sources], spec.baseline))
 
 
 def _late_steps(value: Any, cells: list[Cell]) -> int | None:
