@@ -157,10 +157,16 @@ def test_a_damaged_last_checkpoint_is_not_a_finished_run(tmp_path, damage):
     assert checkpoint_step(newest) is None and checkpoint_step(run / "checkpoints" / "step_000001") == 1
     assert check_run_folder(cfg, resume=True).said == (f"resumes {run} from step_000001 (newer, damaged: "
                                                        "step_000002): steps 2 to 2")
+    with pytest.raises(RunExistsError, match=r"already holds a run \(last checkpoint step_000001; newer, damaged: "
+                                             r"step_000002\); continue it with --resume"):
+        check_run_folder(cfg, resume=False)  # not "finished": its final checkpoint can be neither resumed nor exported
     file = run / "checkpoints" / "step_000001" / "rng.safetensors"
     file.write_bytes(b"\xff" * 8 + file.read_bytes()[8:])  # a header length past the end of the file
     assert check_run_folder(cfg, resume=True).said == (f"--resume in {run}, which has no loadable checkpoint: "
                                                        "starts from step 0")
+    with pytest.raises(RunExistsError, match=r"already holds a run \(no loadable checkpoint: step_000001, step_000002 "
+                                             r"damaged, so --resume starts from step 0\)"):
+        check_run_folder(cfg, resume=False)
 
 
 @pytest.mark.parametrize("change", ["run.threads=1", "rollout.engine_threads=3", "run.max_bad_steps=9",

@@ -193,6 +193,19 @@ def checkpoint_step(path: Path) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def weights_step(path: Path) -> int | None:
+    """The step of a checkpoint folder whose weights are whole (trainer_state.json and model.safetensors, what an
+    export reads), with or without its optimizer state; else None."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        if not _safetensors_whole(path / "model.safetensors"):
+            return None
+    except (OSError, ValueError):
+        return None
+    step = state.get("step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def _safetensors_whole(file: Path) -> bool:
     """The file's length is 8 + its header's length + the end of its last tensor's data."""
     length = file.stat().st_size

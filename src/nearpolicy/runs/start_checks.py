@@ -14,8 +14,8 @@ from typing import Any
 
 from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
 from nearpolicy.model.load import DEFAULT_SPEC
-from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_step, is_finite_number,
-                             list_checkpoints, read_json_object, read_metrics)
+from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_step,
+                                    is_finite_number, list_checkpoints, read_json_object, read_metrics, weights_step)
 from nearpolicy.signals import resume_command
 from nearpolicy.tasks.identity import data_changes, data_identity
 
@@ -235,7 +235,7 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     if (finished := _finished_run(run_dir, checkpoints)) is not None:
         raise RunExistsError(finished)
     if checkpoints:
-        raise RunExistsError(f"{run_dir} already holds a run (last checkpoint {checkpoints[-1].name}); continue it "
+        raise RunExistsError(f"{run_dir} already holds a run ({_resume_point(checkpoints)}); continue it "
                              f"with --resume ({resume_command(run_dir)}; for the main job `make train "
                              f"ARGS=--resume`) or set a new run.name")
     try:
@@ -250,6 +250,16 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     raise RunExistsError(f"{run_dir} holds a run that logged steps up to {logged} but wrote no checkpoint; pass "
                          "--resume to start it over in this folder (its metrics are kept as "
                          "metrics.before-resume.jsonl) or set a new run.name")
+
+
+def _resume_point(checkpoints: list[Path]) -> str:
+    """Where --resume would start, in words: 'last checkpoint X', with the newer damaged ones named after it, or
+    'no loadable checkpoint: X damaged' (runs.folder.checkpoint_step decides, as the resume does)."""
+    whole = [path for path in checkpoints if checkpoint_step(path) is not None]
+    damaged = [path.name for path in checkpoints if not whole or path > whole[-1]]
+    if not whole:
+        return f"no loadable checkpoint: {', '.join(damaged)} damaged, so --resume starts from step 0"
+    return f"last checkpoint {whole[-1].name}" + (f"; newer, damaged: {', '.join(damaged)}" if damaged else "")
 
 
 def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path]) -> FolderCheck:
@@ -283,7 +293,7 @@ def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = Fa
 
 def _finished_run(run_dir: Path, checkpoints: list[Path]) -> str | None:
     """The refusal of a plain start on a run that finished (its own run.steps, from its config.json, checkpointed, the
-    final checkpoint's folder whole or weights only, and logged in metrics.jsonl): its step count and how to go on;
+    final checkpoint whole, or weights only with whole weights, and logged in metrics.jsonl): its step count and how to go on;
     None when it did not finish, or a file is unreadable (the caller then gives its ordinary advice). metrics.jsonl is
     read only when the final checkpoint is there."""
     try:
@@ -298,8 +308,11 @@ def _finished_run(run_dir: Path, checkpoints: list[Path]) -> str | None:
         return None
     if logged is None or logged < steps:  # not there, or a kill between the metrics and the checkpoint
         return None
-    schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
     weights_only = not (final / "optimizer.safetensors").exists()
+    whole = checkpoint_step(final) == steps or (weights_only and weights_step(final) == steps)
+    if not whole:  # cut short (a kill, a full disk): --resume redoes the last steps from the checkpoint before
+        return None
+    schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
     return (f"{run_dir} already holds a finished run (it trained all of its run.steps = {steps}); set a new run.name "
             f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run_dir}; "
             f"its model: nearpolicy export {run_dir}), or "
