@@ -1,17 +1,19 @@
 """llama.cpp's own arithmetic rate on this CPU, beside the GEMM peak the rollout roofline divides by (issue 39
 item 3): the roofline (engines/roofline.py) counts a decode step's FLOPs at torch's fp32 GEMM peak, but the engine
 multiplies with the pinned llama.cpp build's kernels (AVX2, no AVX-512: the Makefile's LLAMA_CMAKE_ARGS). How fast
-do those kernels go when nothing but arithmetic limits them?
+do those kernels go where arithmetic is what limits them (one large batch)?
 
-The probe: SmolLM2 exported at each --precisions (the shipped Q4_1 GGUF dequantized, then llama.cpp's quantizer,
-as the main job's engine gets it), loaded by llama_cpp.Llama in this process, evaluates one prompt of --tokens
-random token ids in one batch (a prefill: one matrix product per weight over every token, the best case for
-arithmetic intensity), with logits at every position (logits_all, so the LM head runs on every token as in a decode
-step; copying them out is in the time). H is the embedding width (SmolLM2's query width). FLOPs = 2 N T + 2 L H T^2 (causal attention: T (T + 1) / 2 positions, QK^T and AV at 2 H
-each); the best of --repeats runs (KV cache cleared between runs). The same process measures the GEMM peak the run's
-roofline uses (engines/roofline.measure_rates: the best 512^3 fp32 product of one thread times the threads).
+The probe: SmolLM2 exported at each --precisions (the shipped Q4_1 GGUF dequantized, then llama.cpp's quantizer, as
+the main job's engine gets it), loaded by llama_cpp.Llama in this process, evaluates one prompt of --tokens random
+token ids in one batch (a prefill: one matrix product per weight over every token, the best case for arithmetic
+intensity), with logits at every position (logits_all, so the LM head runs on every token as in a decode step;
+copying them out, about 0.1 GB at T = 512, is in the time, so the rate is a slight underestimate). H is the embedding
+width (SmolLM2's query width). FLOPs = 2 N T + 2 L H T^2 (causal attention: T (T + 1) / 2 positions, QK^T and AV at 2
+H each); the best of --repeats runs (KV cache cleared between runs). The same process measures the GEMM peak the
+run's roofline uses (engines/roofline.measure_rates: the best 512^3 fp32 product of one thread times the threads).
 
-    .venv/bin/python bench/llamacpp_peak.py [--threads 2] [--tokens 512] [--repeats 5] [--out docs/bench/llamacpp-peak.md]
+    .venv/bin/python bench/llamacpp_peak.py [--threads 2] [--tokens 512] [--repeats 5] \
+        [--out docs/bench/llamacpp-peak.md]
 
 Run it on a quiet machine: a busy core slows llama.cpp's spin-waiting thread pool far more than its share."""
 
@@ -37,12 +39,13 @@ def prefill_seconds(gguf: Path, tokens: int, threads: int, repeats: int) -> tupl
                           n_threads=threads, n_threads_batch=threads, verbose=False, logits_all=True)
     rng = random.Random(0)
     ids = [rng.randrange(1000, llm.n_vocab()) for _ in range(tokens)]
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms up
+    times = []
+    for _ in range(repeats + 1):
         llm.reset()  # eval() then drops the KV cache from position 0
         start = time.perf_counter()
         llm.eval(ids)
-        best = min(best, time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
+    best = min(times[1:])  # the first run warms up and is dropped
     meta = llm.metadata
     arch = meta["general.architecture"]
     layers, width = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.embedding_length"])

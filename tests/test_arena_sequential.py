@@ -404,3 +404,29 @@ def test_the_arena_stops_once_the_comparisons_it_waits_for_settle(tmp_path):
     assert "every comparison it waits for settled" in md
     assert "tis vs off under q8" in md  # the page still reports the comparison the rule did not wait for
     assert "the comparisons it waits for (arena.stop_for): tis vs off under noise" in dry_run(spec)
+
+
+def test_a_changed_stop_for_is_warned_about_and_marks_the_stored_looks_stale(tmp_path):
+    from nearpolicy.arena.page import write_page
+    from nearpolicy.arena.state import ArenaState
+
+    first = load_arena(_arena(tmp_path, _add(WAIT, ARENA)), out=tmp_path / "out")
+    train = FakeTrain(noisy)
+    run_arena(first, say=lambda _: None, train=train)  # stops after 3 seeds
+    edited = load_arena(_arena(tmp_path, _add('stop_for = ["off: noise vs q8"]', ARENA)), out=tmp_path / "out")
+    write_page(edited, ArenaState.open(edited.out, edited))
+    md = (tmp_path / "out" / "arena.md").read_text()
+    assert ("Stale: arena.stop_for changed since the recorded looks (was: tis vs off under noise; off: noise vs q8; "
+            "now: off: noise vs q8); running the arena again retakes the looks.") in md
+    lines = []
+    assert run_arena(edited, say=lines.append, train=train) == 0
+    assert any(line.startswith("warning: arena.stop_for changed since the recorded looks") for line in lines)
+    write_page(edited, ArenaState.open(edited.out, edited))
+    assert "Stale:" not in (tmp_path / "out" / "arena.md").read_text()  # the looks were retaken with the new list
+
+
+def test_the_rule_needs_a_comparison(tmp_path):
+    one = ARENA.replace('tis = { preset = "tis" }\n', "").replace('noise = { set = ["engine.logit_noise=0.5"] }\n', "")
+    with pytest.raises(ArenaError, match="arena.sequential = true needs a comparison to judge"):
+        load_arena(_arena(tmp_path, one))
+    assert load_arena(_arena(tmp_path, one.replace("sequential = true", "sequential = false"))).sequential is None

@@ -65,3 +65,18 @@ def test_a_listed_checkpoint_without_weights_is_still_an_error(tmp_path):
     (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)  # not being deleted: no model.safetensors at all
     with pytest.raises(FileNotFoundError, match="no model weights at .*step_000001"):
         read_checkpoint(tmp_path)
+
+
+def test_damaged_weights_name_the_newest_earlier_whole_checkpoint(tmp_path):
+    """A newest checkpoint cut short (a kill, a full disk) is not exported silently from an older step: the error
+    names the step to pass with --step (a whole weights-only checkpoint, as logging.final_weights_only writes)."""
+    from nearpolicy.runs.folder import write_json
+
+    older = _checkpoint(tmp_path, 1, 1.0)
+    write_json(older / "trainer_state.json", {"step": 1, "weights_only": True})
+    newest = _checkpoint(tmp_path, 2, 2.0) / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-3])
+    with pytest.raises(ExportError, match=r"weights of .*step_000002 cannot be read .*: the checkpoint is damaged; "
+                                          r"export an earlier one with --step 1$"):
+        read_checkpoint(tmp_path)
+    assert read_checkpoint(tmp_path, 1)[0] == 1

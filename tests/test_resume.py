@@ -71,7 +71,13 @@ def test_a_start_on_a_finished_run_points_to_report_and_export_not_to_resume(tmp
     with pytest.raises(RunExistsError, match=head + r"its cosine lr schedule ended at run.steps, so it cannot be "
                                                     r"extended; to train further, start a new run"):
         check_run_folder(cosine, resume=False)
-    (run / "checkpoints" / "step_000002" / "optimizer.safetensors").unlink()  # a weights-only final checkpoint
+    final = run / "checkpoints" / "step_000002"
+    (final / "optimizer.safetensors").unlink()  # without the optimizer but not marked weights only: damaged
+    with pytest.raises(RunExistsError, match=r"already holds a run \(last checkpoint step_000001; newer, damaged: "
+                                             r"step_000002\); continue it with --resume"):
+        check_run_folder(cosine, resume=False)  # as --resume, which continues from step_000001
+    state = json.loads((final / "trainer_state.json").read_text())
+    write_json(final / "trainer_state.json", state | {"weights_only": True})  # logging.final_weights_only's checkpoint
     with pytest.raises(RunExistsError, match=head + r"its last checkpoint holds the weights only, so it cannot be "
                                                     rf"resumed; .* --set model.path={run}/export/step_000002 "):
         check_run_folder(cosine, resume=False)
@@ -80,9 +86,11 @@ def test_a_start_on_a_finished_run_points_to_report_and_export_not_to_resume(tmp
                                              r"--resume"):
         check_run_folder(cosine, resume=False)
     save_small_checkpoint(run, 2)
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # stopped at step 1 of 2: --resume continues it
-    with pytest.raises(RunExistsError, match="continue it with --resume"):
-        check_run_folder(cfg, resume=False)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # metrics cut short, final checkpoint whole:
+    with pytest.raises(RunFinished, match="nothing to do"):  # --resume has nothing left to do
+        check_run_folder(cosine, resume=True)
+    with pytest.raises(RunExistsError, match="already holds a finished run"):  # and the plain start says so
+        check_run_folder(cosine, resume=False)
 
 
 def test_an_interrupted_start_with_only_the_step0_eval_is_started_over_by_a_plain_retry(tmp_path):
@@ -311,3 +319,58 @@ def test_plain_retry_after_an_interrupted_start_then_resume_by_run_dir_through_t
     refused = _train(["--resume", str(run), "--set", "run.steps=4", "--set", "algorithm.lr=1e-3"], tmp_path)
     assert refused.returncode == 2 and "differs from" in refused.stderr and "in: algorithm.lr (only" in refused.stderr
     assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]  # neither touched the run
+
+
+@pytest.mark.parametrize("header", [b"[1, 2]", b'{"w": {"dtype": "F32", "shape": [1]}}',
+                                    b'{"w": {"data_offsets": "0-4"}}', b'{"w": {"data_offsets": []}}'],
+                         ids=["list", "no-offsets", "string-offsets", "empty-offsets"])
+def test_a_safetensors_header_of_another_shape_is_damage_not_a_crash(tmp_path, header):
+    cfg = _cfg(tmp_path, "run.steps=3")
+    run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
+    (run / "checkpoints" / "step_000002" / "rng.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    assert checkpoint_step(run / "checkpoints" / "step_000002") is None
+    assert check_run_folder(cfg, resume=True).said.startswith(f"resumes {run} from step_000001 (newer, damaged: ")
+    with pytest.raises(RunExistsError, match=r"last checkpoint step_000001; newer, damaged: step_000002"):
+        check_run_folder(cfg, resume=False)
+
+
+def test_only_step_numbered_folders_are_checkpoints_in_step_order(tmp_path):
+    from nearpolicy.runs.folder import list_checkpoints
+
+    cfg = _cfg(tmp_path, "run.steps=20")
+    run = _folder(cfg, logged=[0, 1], checkpoints=[1, 10])
+    (run / "checkpoints" / "step_1").mkdir()  # unpadded: step 1, older than step 10
+    (run / "checkpoints" / "step_backup").mkdir()  # a user's folders: not checkpoints (the rotation would delete them)
+    (run / "checkpoints" / "step_000010.old").mkdir()
+    assert [p.name for p in list_checkpoints(run)] == ["step_000001", "step_1", "step_000010"]
+    assert check_run_folder(cfg, resume=True).said == f"resumes {run} from step_000010: steps 11 to 20"
+
+
+def test_a_damaged_weights_only_final_checkpoint_is_skipped_as_the_resume_skips_it(tmp_path):
+    cfg = _cfg(tmp_path, "run.steps=2")
+    run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
+    final = run / "checkpoints" / "step_000002"
+    (final / "optimizer.safetensors").unlink()
+    state = json.loads((final / "trainer_state.json").read_text())
+    write_json(final / "trainer_state.json", state | {"weights_only": True})
+    with pytest.raises(RunExistsError, match="holds the weights only"):  # whole: export it, not resume
+        check_run_folder(cfg, resume=True)
+    (final / "model.safetensors").write_bytes((final / "model.safetensors").read_bytes()[:-3])  # cut short
+    assert check_run_folder(cfg, resume=True).said == (f"resumes {run} from step_000001 (newer, damaged: "
+                                                       "step_000002): steps 2 to 2")
+    with pytest.raises(RunExistsError, match=r"already holds a run \(last checkpoint step_000001; newer, damaged"):
+        check_run_folder(cfg, resume=False)
+
+
+def test_a_plain_start_calls_a_run_finished_where_resume_has_nothing_to_do(tmp_path):
+    cfg = _cfg(tmp_path, "run.steps=2")
+    run = _folder(cfg, logged=[0, 1], checkpoints=[3])  # a checkpoint past run.steps
+    with pytest.raises(RunFinished, match="nothing to do"):
+        check_run_folder(cfg, resume=True)
+    with pytest.raises(RunExistsError, match=r"already holds a finished run \(it trained all of its run.steps = 2\)"):
+        check_run_folder(cfg, resume=False)
+    (run / "config.json").unlink()  # without the run's own config, the new config's run.steps counts, as for --resume
+    with pytest.raises(RunExistsError, match="already holds a finished run"):
+        check_run_folder(cfg, resume=False)
+    with pytest.raises(RunExistsError, match=r"already holds a run \(last checkpoint step_000003\); continue it"):
+        check_run_folder(_cfg(tmp_path, "run.steps=5"), resume=False)

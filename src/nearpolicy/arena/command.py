@@ -32,7 +32,8 @@ With arena.sequential = true the cells run seed by seed, and after each seed fro
 rule judges every comparison (or those arena.stop_for names) of the arena.stop_on outcome at the level 0.05 / K (K
 looks; Bonferroni: a false "difference detected" has probability <= 0.05 per comparison over all looks): settled when
 its CI excludes 0, or contains 0 with an MDE <= arena.target_mde. Once every judged comparison is settled the
-remaining seeds' cells are recorded as skipped and the arena ends; the looks go to OUT/arena-sequential.json and the page. --dry-run states the rule.
+remaining seeds' cells are recorded as skipped and the arena ends; the looks go to OUT/arena-sequential.json and the
+page. --dry-run states the rule.
 With --workers N, only cells of the same seed run at a time (each look needs its seed's cells finished).
 
 Exit codes: 0 every selected cell done, diverged or skipped; 1 a cell failed; 2 a bad or changed arena file; 130 / 143

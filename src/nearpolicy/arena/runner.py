@@ -134,8 +134,9 @@ def seed_major(spec: ArenaSpec, cells: list[Cell]) -> list[Cell]:
 
 def look(spec: ArenaSpec, state: ArenaState, rule: sequential.Rule, history: list, done: int) -> sequential.Decision:
     """The rule's look after the first `done` seeds of arena.seeds: each comparison the rule waits for (arena.stop_for;
-    default every one of comparisons.arm_pairs) of the arena.stop_on outcome, paired over those seeds' results only (later seeds' cells, if any ran, are left out),
-    judged at the rule's level and appended to `history`; returns sequential.decide's decision."""
+    default every one of comparisons.arm_pairs) of the arena.stop_on outcome, paired over those seeds' results only
+    (later seeds' cells, if any ran, are left out), judged at the rule's level and appended to `history`; returns
+    sequential.decide's decision."""
     from nearpolicy.arena.comparisons import arm_pairs, compare_paired, pair_label
     from nearpolicy.arena.table import arena_results
 
@@ -195,6 +196,9 @@ def run_sequential(spec: ArenaSpec, state: ArenaState, chosen: list[Cell], say, 
     on (once every cell of the seed has ended, whatever `workers`); returns as _run_cells."""
     rule, order = rule_of(spec), seed_major(spec, chosen)
     history, decisions, code = [], [], 0
+    if (changed := sequential.changed_stop_for(spec)) is not None:
+        say(f"warning: {changed}; the looks are retaken with the file's list, and a choice made after seeing results "
+            f"is not covered by the rule's error rate")
     for done in range(len(spec.seeds) + 1):
         if done >= rule.min_seeds and _take_look(spec, state, rule, history, decisions, done, say):
             return code

@@ -251,6 +251,20 @@ def page_lines(data: dict) -> list[str]:
     return [head, state] + verdict_lines(decision, rule["target_mde"])
 
 
+def changed_stop_for(spec: ArenaSpec) -> str | None:
+    """'arena.stop_for changed since the recorded looks (was ..., now ...)' when OUT/arena-sequential.json's looks
+    waited for other comparisons than the arena file's arena.stop_for now names; None otherwise (or without a
+    record or a rule)."""
+    data = read_record(spec.out) if spec.sequential is not None else None
+    if data is None or not isinstance(data.get("rule"), dict):
+        return None
+    before, now = list(data["rule"].get("stop_for") or []), list(spec.sequential.stop_for)
+    if before == now:
+        return None
+    said = lambda labels: "; ".join(labels) if labels else "every comparison"  # noqa: E731
+    return f"arena.stop_for changed since the recorded looks (was: {said(before)}; now: {said(now)})"
+
+
 def page_markdown(spec: ArenaSpec) -> list[str]:
     """The page's "Sequential stopping" section (markdown lines) from OUT/arena-sequential.json; [] without one or
     when the arena's rule is off (a record left from a sequential sitting is then stale)."""
@@ -258,6 +272,8 @@ def page_markdown(spec: ArenaSpec) -> list[str]:
     if data is None:
         return []
     lines = page_lines(data)
+    if (changed := changed_stop_for(spec)) is not None:
+        lines[1] += f" Stale: {changed}; running the arena again retakes the looks."
     return ["", "## Sequential stopping", "", lines[0], "", lines[1], ""] + [f"- {line}" for line in lines[2:]]
 
 
@@ -268,6 +284,9 @@ def page_html(spec: ArenaSpec) -> str:
     data = read_record(spec.out) if spec.sequential is not None else None
     if data is None:
         return ""
-    lines = [html.escape(line) for line in page_lines(data)]
+    lines = page_lines(data)
+    if (changed := changed_stop_for(spec)) is not None:
+        lines[1] += f" Stale: {changed}; running the arena again retakes the looks."
+    lines = [html.escape(line) for line in lines]
     items = "".join(f"<li>{line}</li>" for line in lines[2:])
     return f"<h2>Sequential stopping</h2><p>{lines[0]}</p><p>{lines[1]}</p><ul>{items}</ul>"

@@ -9,7 +9,10 @@
 stop_for names the comparisons the question needs: the arena stops once those are settled, whatever the others
 (which the page still reports, with their fixed-sample CIs). Each label is one of the arena's comparisons
 (keys.arm_pairs, labelled by keys.pair_label: 'CORRECTION vs BASELINE under SOURCE' or 'CORRECTION: SOURCE vs
-FIRST_SOURCE'); the rule's error rate is per comparison either way (sequential.py)."""
+FIRST_SOURCE'); the rule's error rate is per comparison either way (sequential.py). With sequential = false the
+keys are validated but have no effect (so the rule can be turned off and on without editing them).
+A changed stop_for is not refused: the next run warns and retakes the looks, and the page marks the stored looks
+stale until then."""
 
 from __future__ import annotations
 
@@ -60,6 +63,9 @@ def parse_sequential(arena: dict, seeds: int, corrections: list[str], sources: l
         raise ArenaError(f"arena.stop_on must be one of {', '.join(OUTCOME_NAMES)} (the outcome the rule judges), "
                          f"got {stop_on!r}")
     labels = [pair_label(arm, base) for arm, base in arm_pairs(corrections, sources, baseline)]
+    if on and not labels:
+        raise ArenaError("arena.sequential = true needs a comparison to judge: list two corrections or two sources "
+                         "(this arena has one of each)")
     stop_for = _stop_for(arena.get("stop_for"), labels)
     return Sequential(float(target), least, stop_on, stop_for) if on else None
 

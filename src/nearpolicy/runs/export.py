@@ -27,7 +27,7 @@ from nearpolicy.engines.gguf.export import PRECISIONS, export_model_gguf
 from nearpolicy.files import give_plain_modes
 from nearpolicy.model.load import ResolvedModel, load_model_weights, load_policy, read_model_weights, resolve_model
 from nearpolicy.model.templates import use_chat_template
-from nearpolicy.runs.folder import CHECKPOINT_PREFIX, list_checkpoints, read_json_object
+from nearpolicy.runs.folder import CHECKPOINT_PREFIX, checkpoint_kind, list_checkpoints, read_json_object
 from nearpolicy.runs.lora_export import export_adapter, is_lora_run
 
 
@@ -70,12 +70,19 @@ def read_checkpoint(run_dir: Path, step: int | None = None, tries: int = 3) -> t
     still training keeps only its logging.keep_checkpoints newest and deletes older ones as it saves, so a checkpoint
     listed a moment ago can be gone before a model has loaded. Without `step` a checkpoint deleted between the listing
     and the read is replaced by the newest one (up to `tries` times). Raises ExportError (find_checkpoint's; the
-    checkpoint of `step` deleted while it was read; rotated `tries` times), FileNotFoundError / ValueError of
-    read_model_weights for a checkpoint that is still listed but has no readable weights."""
+    checkpoint of `step` deleted while it was read; rotated `tries` times; weights that cannot be read, naming the
+    newest earlier whole checkpoint), FileNotFoundError of read_model_weights for a checkpoint that is still listed
+    but has no weights file."""
     for _ in range(tries):
         found, checkpoint = find_checkpoint(run_dir, step)
         try:
             return found, checkpoint, read_model_weights(checkpoint)
+        except ValueError as err:  # cut short (a kill, a full disk): say which earlier checkpoint can be exported
+            whole = [kind[0] for path in list_checkpoints(Path(run_dir)) if path != checkpoint
+                     and (kind := checkpoint_kind(path)) is not None]
+            other = f"export an earlier one with --step {whole[-1]}" if whole else "no other checkpoint is whole"
+            raise ExportError(f"the weights of {checkpoint} cannot be read ({err}): the checkpoint is damaged; "
+                              f"{other}") from None
         except FileNotFoundError:
             time.sleep(0.2)  # a deletion in progress: let it finish before listing again
             if checkpoint in list_checkpoints(Path(run_dir)):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -174,7 +175,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
+    found = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)]
+    return sorted(found, key=lambda p: (int(p.name[len(CHECKPOINT_PREFIX):]), p.name))  # step_N only, by step
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -193,17 +195,19 @@ def checkpoint_step(path: Path) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def weights_step(path: Path) -> int | None:
-    """The step of a checkpoint folder whose weights are whole (trainer_state.json and model.safetensors, what an
-    export reads), with or without its optimizer state; else None."""
+def checkpoint_kind(path: Path) -> tuple[int, bool] | None:
+    """(step, weights_only) of a checkpoint folder that is whole for its kind: a full one as checkpoint_step says (a
+    resume loads it), a weights-only one (trainer_state.json's "weights_only", logging.final_weights_only) with
+    whole weights (an export reads it, a resume refuses it); else None (damaged)."""
+    if (step := checkpoint_step(path)) is not None:
+        return step, False
     try:
         state = json.loads((path / "trainer_state.json").read_text())
-        if not _safetensors_whole(path / "model.safetensors"):
-            return None
+        step = state.get("step") if isinstance(state, dict) and state.get("weights_only") is True else None
+        whole = _safetensors_whole(path / "model.safetensors")
     except (OSError, ValueError):
         return None
-    step = state.get("step") if isinstance(state, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    return (step, True) if whole and isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _safetensors_whole(file: Path) -> bool:
@@ -214,7 +218,10 @@ def _safetensors_whole(file: Path) -> bool:
         if size > length - 8:
             return False
         header = json.loads(handle.read(size))
-    ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"]
+    try:  # a header of another shape (a list, no or odd data_offsets) is damage, not a crash
+        ends = [int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"]
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError):
+        return False
     return length == 8 + size + max(ends, default=0)
 
 

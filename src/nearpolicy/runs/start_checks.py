@@ -14,8 +14,9 @@ from typing import Any
 
 from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
 from nearpolicy.model.load import DEFAULT_SPEC
-from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_step,
-                                    is_finite_number, list_checkpoints, read_json_object, read_metrics, weights_step)
+from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_kind,
+                                    checkpoint_step, is_finite_number, list_checkpoints, read_json_object,
+                                    read_metrics)
 from nearpolicy.signals import resume_command
 from nearpolicy.tasks.identity import data_changes, data_identity
 
@@ -185,17 +186,15 @@ def check_same_data(plan_path: Path, now: dict) -> None:
 
 
 def check_not_weights_only(run_dir: Path) -> None:
-    """Refuse (RunExistsError) a --resume whose newest checkpoint holds the weights only (logging.final_weights_only):
-    it has no optimizer state to continue from. An unreadable trainer_state.json is left to the resume to skip."""
-    checkpoints = list_checkpoints(run_dir)
-    try:
-        state = json.loads((checkpoints[-1] / "trainer_state.json").read_text()) if checkpoints else {}
-    except (OSError, ValueError):
-        return
-    if isinstance(state, dict) and state.get("weights_only"):
-        older = f", or delete it to resume from {checkpoints[-2].name}" if len(checkpoints) > 1 else ""
+    """Refuse (RunExistsError) a --resume whose newest whole checkpoint (runs.folder.checkpoint_kind: damaged ones are
+    skipped, as the resume skips them) holds the weights only (logging.final_weights_only): it has no optimizer
+    state to continue from."""
+    usable = [(path, kind) for path in list_checkpoints(run_dir) if (kind := checkpoint_kind(path)) is not None]
+    if usable and usable[-1][1][1]:
+        newest = usable[-1][0]
+        older = f", or delete it to resume from {usable[-2][0].name}" if len(usable) > 1 else ""
         raise RunExistsError(
-            f"{checkpoints[-1]} holds the weights only (the run had logging.final_weights_only = true), no optimizer "
+            f"{newest} holds the weights only (the run had logging.final_weights_only = true), no optimizer "
             f"state, so the run cannot continue from it: export it (`nearpolicy export {run_dir}`) and start a new "
             f"run with model.path set to the exported folder{older}")
 
@@ -232,7 +231,7 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     if resume:
         check_resume(run_dir, cfg, data)
         return _resume_check(run_dir, cfg, data, checkpoints)
-    if (finished := _finished_run(run_dir, checkpoints)) is not None:
+    if (finished := _finished_run(run_dir, checkpoints, cfg.run.steps)) is not None:
         raise RunExistsError(finished)
     if checkpoints:
         raise RunExistsError(f"{run_dir} already holds a run ({_resume_point(checkpoints)}); continue it "
@@ -291,32 +290,26 @@ def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = Fa
             f"nearpolicy train --set model.path={shlex.quote(f'{run_dir}/export/step_{step:06d}')} --set run.name=NEW")
 
 
-def _finished_run(run_dir: Path, checkpoints: list[Path]) -> str | None:
-    """The refusal of a plain start on a run that finished (its own run.steps, from its config.json, checkpointed, the
-    final checkpoint whole, or weights only with whole weights, and logged in metrics.jsonl): its step count and how to go on;
-    None when it did not finish, or a file is unreadable (the caller then gives its ordinary advice). metrics.jsonl is
-    read only when the final checkpoint is there."""
+def _finished_run(run_dir: Path, checkpoints: list[Path], steps_now: int) -> str | None:
+    """The refusal of a plain start on a run that finished: its newest whole checkpoint (runs.folder.checkpoint_kind,
+    a weights-only one included) is at or past its own run.steps (from its config.json; `steps_now`, the new
+    config's, without one), so --resume would have nothing to do. Its step count and how to go on; None when it did
+    not finish (the caller then gives its ordinary advice)."""
+    usable = [kind for path in checkpoints if (kind := checkpoint_kind(path)) is not None]
     try:
-        config = read_json_object(run_dir / "config.json")
-        run, algorithm = config.get("run"), config.get("algorithm")
-        steps = run.get("steps") if isinstance(run, dict) else None
-        if not isinstance(steps, int) or isinstance(steps, bool):
-            return None
-        final = next((path for path in checkpoints if path.name == f"step_{steps:06d}"), None)
-        logged = None if final is None else _last_logged_step(run_dir)
+        config = read_json_object(run_dir / "config.json") if (run_dir / "config.json").exists() else {}
     except RunFolderError:
-        return None
-    if logged is None or logged < steps:  # not there, or a kill between the metrics and the checkpoint
-        return None
-    weights_only = not (final / "optimizer.safetensors").exists()
-    whole = checkpoint_step(final) == steps or (weights_only and weights_step(final) == steps)
-    if not whole:  # cut short (a kill, a full disk): --resume redoes the last steps from the checkpoint before
+        config = {}
+    run, algorithm = config.get("run"), config.get("algorithm")
+    steps = run.get("steps") if isinstance(run, dict) else None
+    steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else steps_now
+    if not usable or usable[-1][0] < steps:
         return None
     schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
     return (f"{run_dir} already holds a finished run (it trained all of its run.steps = {steps}); set a new run.name "
             f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run_dir}; "
             f"its model: nearpolicy export {run_dir}), or "
-            f"{_further(run_dir, steps, schedule or 'constant', weights_only)}")
+            f"{_further(run_dir, steps, schedule or 'constant', usable[-1][1])}")
 
 
 def _last_logged_step(run_dir: Path) -> int | None:
