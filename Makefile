@@ -33,7 +33,7 @@ LLAMA_WHEELS := $(HOME)/.cache/nearpolicy/llama-cpp-python-$(LLAMA_CPP_PYTHON)-$
 setup: $(STAMP)
 
 llama-wheel:
-	ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl >/dev/null 2>&1 || { \
+	@ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl >/dev/null 2>&1 || { \
 	  rm -rf $(LLAMA_WHEELS).tmp && \
 	  echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) (about 7 minutes on 2 cores, once per machine)" && \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PYTHON) -m pip wheel --quiet --no-deps --no-cache-dir \

@@ -345,6 +345,8 @@ def test_summary_and_report_skip_metric_values_that_are_not_numbers(tmp_path: Pa
     rows[0] |= {"time/eval": 60.0}  # the step-0 eval, before any step
     assert main(["summary", str(_write_run(tmp_path / "timed", rows))]) == 0
     assert "Training time (sum of step times, evals included): 1.2 min." in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "timed"), "-o", str(tmp_path / "timed.html")]) == 0  # the same figure
+    assert "training time (sum of step times, evals included)</th><td>1.2 min" in (tmp_path / "timed.html").read_text()
 
 
 def test_summary_lists_the_per_sequence_mismatch_family(tmp_path: Path, capsys: pytest.CaptureFixture):

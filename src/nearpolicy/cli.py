@@ -322,8 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     lister.set_defaults(func=_list)
     sub.add_parser("config", help="every config key with its default, range or choices, and what it does").set_defaults(
         func=_config)
-    summary = sub.add_parser("summary", help="markdown summary of a run folder (accuracy, mismatch, timings)")
-    summary.add_argument("run_dir", type=Path)
+    summary = sub.add_parser("summary", help="markdown summary of a run folder (accuracy, mismatch, timings)",
+                             description="Print a run folder's markdown summary: the eval accuracy at each eval, "
+                                         "min / median / mean / max of the reward, mismatch (k3, ESS, ...) and time "
+                                         "metrics, and the training time.")
+    summary.add_argument("run_dir", type=Path, help="a run folder (runs/<run.name>), finished or not")
     summary.set_defaults(func=_summary)
     report = sub.add_parser("report", help="self-contained HTML report of a run folder (plots of every logged metric)")
     report.add_argument("run_dir", type=Path)

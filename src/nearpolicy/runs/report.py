@@ -224,7 +224,8 @@ def run_summary(run: Run) -> dict[str, str]:
     evals = list(zip(*run.series("eval/accuracy")))
     k3_key = DISCREPANCY_K3.key_in(run)
     k3 = run.series(k3_key)[1] if k3_key else []
-    seconds = sum(run.series("time/step")[1])
+    seconds = sum(run.series("time/step")[1])  # + the step-0 eval, as `nearpolicy summary` counts it
+    seconds += sum(r["time/eval"] for r in run.rows if r.get("step") == 0 and is_finite_number(r.get("time/eval")))
     peak = max(evals, key=lambda point: point[1]) if evals else None
     return {
         "run": run.name, "model": str(model or "unknown (no config.json)"), **describe_run(run.config, run.plan),
@@ -232,7 +233,7 @@ def run_summary(run: Run) -> dict[str, str]:
         "final eval accuracy": _final_eval(evals, steps),
         "peak eval accuracy": f"{peak[1]:.3f} (step {peak[0]})" if peak else NOT_RECORDED,
         "median k3 (discrepancy)": f"{statistics.median(k3):.3g} nats" if k3 else NOT_RECORDED,
-        "total time (sum of step times)": f"{seconds / 60:.1f} min" if seconds else NOT_RECORDED,
+        "training time (sum of step times, evals included)": f"{seconds / 60:.1f} min" if seconds else NOT_RECORDED,
         "rollout vs roofline bound": roofline_text(run.rows) or NOT_RECORDED,
     }
 
