@@ -367,8 +367,9 @@ def test_a_plain_start_calls_a_run_finished_where_resume_has_nothing_to_do(tmp_p
     run = _folder(cfg, logged=[0, 1], checkpoints=[3])  # a checkpoint past run.steps
     with pytest.raises(RunFinished, match="nothing to do"):
         check_run_folder(cfg, resume=True)
-    with pytest.raises(RunExistsError, match=r"already holds a finished run \(it trained all of its run.steps = 2\)"):
-        check_run_folder(cfg, resume=False)
+    with pytest.raises(RunExistsError, match=r"already holds a finished run \(it trained all of its run.steps = 2\).*"
+                                             r"resume with more steps: .* --set run.steps=N \(N > 3\)"):
+        check_run_folder(cfg, resume=False)  # the advice counts from the checkpoint's step
     (run / "config.json").unlink()  # without the run's own config, the new config's run.steps counts, as for --resume
     with pytest.raises(RunExistsError, match="already holds a finished run"):
         check_run_folder(cfg, resume=False)

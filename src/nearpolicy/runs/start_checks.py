@@ -254,11 +254,12 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
 def _resume_point(checkpoints: list[Path]) -> str:
     """Where --resume would start, in words: 'last checkpoint X', with the newer damaged ones named after it, or
     'no loadable checkpoint: X damaged' (runs.folder.checkpoint_step decides, as the resume does)."""
-    whole = [path for path in checkpoints if checkpoint_step(path) is not None]
-    damaged = [path.name for path in checkpoints if not whole or path > whole[-1]]
+    whole = [i for i, path in enumerate(checkpoints) if checkpoint_step(path) is not None]
+    damaged = [path.name for path in checkpoints[whole[-1] + 1 if whole else 0:]]  # list_checkpoints' step order
     if not whole:
         return f"no loadable checkpoint: {', '.join(damaged)} damaged, so --resume starts from step 0"
-    return f"last checkpoint {whole[-1].name}" + (f"; newer, damaged: {', '.join(damaged)}" if damaged else "")
+    newer = f"; newer, damaged: {', '.join(damaged)}" if damaged else ""
+    return f"last checkpoint {checkpoints[whole[-1]].name}{newer}"
 
 
 def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path]) -> FolderCheck:
@@ -309,7 +310,7 @@ def _finished_run(run_dir: Path, checkpoints: list[Path], steps_now: int) -> str
     return (f"{run_dir} already holds a finished run (it trained all of its run.steps = {steps}); set a new run.name "
             f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run_dir}; "
             f"its model: nearpolicy export {run_dir}), or "
-            f"{_further(run_dir, steps, schedule or 'constant', usable[-1][1])}")
+            f"{_further(run_dir, usable[-1][0], schedule or 'constant', usable[-1][1])}")
 
 
 def _last_logged_step(run_dir: Path) -> int | None:
