@@ -77,6 +77,6 @@ def test_damaged_weights_name_the_newest_earlier_whole_checkpoint(tmp_path):
     newest = _checkpoint(tmp_path, 2, 2.0) / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:-3])
     with pytest.raises(ExportError, match=r"weights of .*step_000002 cannot be read .*: the checkpoint is damaged; "
-                                          r"export an earlier one with --step 1$"):
+                                          r"the newest whole one is step 1 \(--step 1\)$"):
         read_checkpoint(tmp_path)
     assert read_checkpoint(tmp_path, 1)[0] == 1

@@ -71,16 +71,17 @@ def read_checkpoint(run_dir: Path, step: int | None = None, tries: int = 3) -> t
     listed a moment ago can be gone before a model has loaded. Without `step` a checkpoint deleted between the listing
     and the read is replaced by the newest one (up to `tries` times). Raises ExportError (find_checkpoint's; the
     checkpoint of `step` deleted while it was read; rotated `tries` times; weights that cannot be read, naming the
-    newest earlier whole checkpoint), FileNotFoundError of read_model_weights for a checkpoint that is still listed
+    newest other whole checkpoint), FileNotFoundError of read_model_weights for a checkpoint that is still listed
     but has no weights file."""
     for _ in range(tries):
         found, checkpoint = find_checkpoint(run_dir, step)
         try:
             return found, checkpoint, read_model_weights(checkpoint)
-        except ValueError as err:  # cut short (a kill, a full disk): say which earlier checkpoint can be exported
+        except ValueError as err:  # cut short (a kill, a full disk): say which checkpoint can be exported
             whole = [kind[0] for path in list_checkpoints(Path(run_dir)) if path != checkpoint
                      and (kind := checkpoint_kind(path)) is not None]
-            other = f"export an earlier one with --step {whole[-1]}" if whole else "no other checkpoint is whole"
+            other = f"the newest whole one is step {whole[-1]} (--step {whole[-1]})" if whole else \
+                "no other checkpoint is whole"
             raise ExportError(f"the weights of {checkpoint} cannot be read ({err}): the checkpoint is damaged; "
                               f"{other}") from None
         except FileNotFoundError:
