@@ -117,9 +117,9 @@ def test_replica_killed_mid_rollout_is_restarted_and_nothing_is_lost_or_repeated
     assert decode["rollout/decode_calls"] >= 1 and 0 < decode["rollout/decode_occupancy"] <= 1  # through the pool
 
 
-def _train(args, cwd, timeout=900):
+def _train(args, cwd, timeout=900, env=None):
     return subprocess.run([sys.executable, "-m", "nearpolicy", "train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def _base(model_path: Path, out: Path, name: str, *extra: str) -> list[str]:
@@ -163,9 +163,13 @@ def test_async_training_bounds_staleness_resyncs_and_resumes(tiny_gguf_factory, 
 @pytest.mark.slow
 def test_ray_backend_trains_two_steps_with_two_replicas(tiny_gguf_factory, tmp_path):
     model = tiny_gguf_factory("f32")
+    temp = tmp_path / "temp"  # the actors' node-local GGUF copies land here (they inherit TMPDIR; Ray's own
+    # session folder stays under /tmp: its socket paths must stay short)
+    temp.mkdir()
     proc = _train(_base(model, tmp_path, "ray", "run.steps=2", "logging.eval_every=2", "rollout.backend='ray'",
-                        "rollout.engines=2", "rollout.staleness=1"), tmp_path)
+                        "rollout.engines=2", "rollout.staleness=1"), tmp_path, env=os.environ | {"TMPDIR": str(temp), "RAY_TMPDIR": "/tmp"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(temp.glob("nearpolicy-*.gguf"))  # each actor deleted its copy before the pool killed it
     assert "2 ray engine replica(s)" in proc.stderr  # a line the trainer logs, relayed by the driver
     actor_pid, driver_pid = map(int, re.search(r"trainer: Ray actor pid (\d+) on .* \(driver pid (\d+)\)",
                                                 proc.stderr).groups())

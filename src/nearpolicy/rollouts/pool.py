@@ -124,6 +124,12 @@ class _RayEngine:
     def getpid(self) -> int:
         return self.pid
 
+    def release(self) -> None:
+        """Delete this actor's node-local GGUF copy: RayPool.close calls it before ray.kill, which runs no cleanup
+        in the actor (each copy is the whole policy GGUF, left in the node's temp folder otherwise)."""
+        with self.lock:
+            self.worker.engine.path.unlink(missing_ok=True)
+
 
 def _local_copy(gguf_bytes: bytes) -> str:
     """Write weights received through the object store to a node-local temporary GGUF file."""
@@ -199,6 +205,10 @@ class RayPool:
         self.actors[w] = self.actor_class.remote(spec, self._put(path), self.episodes)
 
     def close(self) -> None:
+        try:  # each live actor deletes its GGUF copy; a dead or stuck one is killed all the same
+            self.ray.get([actor.release.remote() for actor in self.actors], timeout=30)
+        except Exception:  # noqa: BLE001 - RayActorError, GetTimeoutError: nothing more to clean up from here
+            pass
         for actor in self.actors:
             self.ray.kill(actor, no_restart=True)
         if self.owns_ray:
