@@ -256,7 +256,12 @@ def changed_stop_for(spec: ArenaSpec) -> str | None:
     waited for other comparisons than the arena file's arena.stop_for now names; None otherwise (or without a
     record or a rule)."""
     data = read_record(spec.out) if spec.sequential is not None else None
-    if data is None or not isinstance(data.get("rule"), dict):
+    return _stop_for_change(spec, data) if data is not None else None
+
+
+def _stop_for_change(spec: ArenaSpec, data: dict) -> str | None:
+    """changed_stop_for's sentence from a record already read."""
+    if not isinstance(data.get("rule"), dict):
         return None
     before, now = list(data["rule"].get("stop_for") or []), list(spec.sequential.stop_for)
     if before == now:
@@ -265,15 +270,24 @@ def changed_stop_for(spec: ArenaSpec) -> str | None:
     return f"arena.stop_for changed since the recorded looks (was: {said(before)}; now: {said(now)})"
 
 
-def page_markdown(spec: ArenaSpec) -> list[str]:
-    """The page's "Sequential stopping" section (markdown lines) from OUT/arena-sequential.json; [] without one or
-    when the arena's rule is off (a record left from a sequential sitting is then stale)."""
+def _section_lines(spec: ArenaSpec) -> list[str] | None:
+    """page_lines of the record (read once), the state line marked stale when arena.stop_for changed since; None
+    without a record or when the arena's rule is off (a record left from a sequential sitting is then stale)."""
     data = read_record(spec.out) if spec.sequential is not None else None
     if data is None:
-        return []
+        return None
     lines = page_lines(data)
-    if (changed := changed_stop_for(spec)) is not None:
+    if (changed := _stop_for_change(spec, data)) is not None:
         lines[1] += f" Stale: {changed}; running the arena again retakes the looks."
+    return lines
+
+
+def page_markdown(spec: ArenaSpec) -> list[str]:
+    """The page's "Sequential stopping" section (markdown lines) from OUT/arena-sequential.json; [] where
+    _section_lines gives None."""
+    lines = _section_lines(spec)
+    if lines is None:
+        return []
     return ["", "## Sequential stopping", "", lines[0], "", lines[1], ""] + [f"- {line}" for line in lines[2:]]
 
 
@@ -281,12 +295,9 @@ def page_html(spec: ArenaSpec) -> str:
     """The same section as HTML ('' where page_markdown gives [])."""
     import html
 
-    data = read_record(spec.out) if spec.sequential is not None else None
-    if data is None:
+    lines = _section_lines(spec)
+    if lines is None:
         return ""
-    lines = page_lines(data)
-    if (changed := changed_stop_for(spec)) is not None:
-        lines[1] += f" Stale: {changed}; running the arena again retakes the looks."
     lines = [html.escape(line) for line in lines]
     items = "".join(f"<li>{line}</li>" for line in lines[2:])
     return f"<h2>Sequential stopping</h2><p>{lines[0]}</p><p>{lines[1]}</p><ul>{items}</ul>"

@@ -23,7 +23,7 @@ from matplotlib.ticker import MaxNLocator
 
 from nearpolicy.runs.folder import RunFolderError, finite_points, is_finite_number, read_json_object, read_metrics
 from nearpolicy.runs.samples import read_samples
-from nearpolicy.runs.summary import describe_run, roofline_text
+from nearpolicy.runs.summary import describe_run, roofline_text, training_seconds
 
 NOT_RECORDED = "not recorded in this run"
 LINESTYLES = ("-", "--", ":", "-.")
@@ -224,8 +224,7 @@ def run_summary(run: Run) -> dict[str, str]:
     evals = list(zip(*run.series("eval/accuracy")))
     k3_key = DISCREPANCY_K3.key_in(run)
     k3 = run.series(k3_key)[1] if k3_key else []
-    seconds = sum(run.series("time/step")[1])  # + the step-0 eval, as `nearpolicy summary` counts it
-    seconds += sum(r["time/eval"] for r in run.rows if r.get("step") == 0 and is_finite_number(r.get("time/eval")))
+    seconds = training_seconds(run.rows)
     peak = max(evals, key=lambda point: point[1]) if evals else None
     return {
         "run": run.name, "model": str(model or "unknown (no config.json)"), **describe_run(run.config, run.plan),

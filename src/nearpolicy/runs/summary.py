@@ -94,6 +94,13 @@ def _model_and_task(config: dict) -> dict[str, str]:
             "task": f"{task['kind']}:{data}, reward: {reward}" if task.get("kind") else "not recorded"}
 
 
+def training_seconds(rows: list[dict]) -> float:
+    """Seconds of training in metrics rows: the sum of the steps' time/step (their evals included) plus the step-0
+    eval's time/eval; non-numbers skipped. `nearpolicy summary` and `report` both give this figure."""
+    seconds = sum(value for _, value in finite_points(rows, "time/step"))
+    return seconds + sum(value for _, value in finite_points([r for r in rows if r.get("step") == 0], "time/eval"))
+
+
 def summarize(run_dir: Path, warn=None) -> str:
     """Markdown: what the run is (describe_run: engine precision, update, KL, effective correction, proximal),
     eval accuracy per eval step, min / median / mean / max of the main metrics (every correction/* metric the run
@@ -121,9 +128,7 @@ def summarize(run_dir: Path, warn=None) -> str:
         st = _stats(steps, key)
         if st is not None:
             out.append(f"| {key} | " + " | ".join(f"{v:.4g}" for v in st) + " |")
-    train_seconds = sum(seconds for _, seconds in finite_points(steps, "time/step"))
-    train_seconds += sum(seconds for _, seconds in finite_points([r for r in rows if r.get("step") == 0], "time/eval"))
-    out += ["", f"Training time (sum of step times, evals included): {train_seconds / 60:.1f} min."]
+    out += ["", f"Training time (sum of step times, evals included): {training_seconds(rows) / 60:.1f} min."]
     if (roofline := roofline_text(steps)) is not None:
         out.append(f"Rollout against its roofline bound (rollout/roofline_share, engines/roofline.py): {roofline}.")
     return "\n".join(out)
