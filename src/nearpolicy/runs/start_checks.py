@@ -231,10 +231,11 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     if resume:
         check_resume(run_dir, cfg, data)
         return _resume_check(run_dir, cfg, data, checkpoints)
-    if (finished := _finished_run(run_dir, checkpoints, cfg.run.steps)) is not None:
+    kinds = [checkpoint_kind(path) for path in checkpoints]  # read once: both messages below judge from them
+    if (finished := _finished_run(run_dir, kinds, cfg.run.steps)) is not None:
         raise RunExistsError(finished)
     if checkpoints:
-        raise RunExistsError(f"{run_dir} already holds a run ({_resume_point(checkpoints)}); continue it "
+        raise RunExistsError(f"{run_dir} already holds a run ({_resume_point(checkpoints, kinds)}); continue it "
                              f"with --resume ({resume_command(run_dir)}; for the main job `make train "
                              f"ARGS=--resume`) or set a new run.name")
     try:
@@ -251,10 +252,11 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
                          "metrics.before-resume.jsonl) or set a new run.name")
 
 
-def _resume_point(checkpoints: list[Path]) -> str:
+def _resume_point(checkpoints: list[Path], kinds: list[tuple[int, bool] | None]) -> str:
     """Where --resume would start, in words: 'last checkpoint X', with the newer damaged ones named after it, or
-    'no loadable checkpoint: X damaged' (runs.folder.checkpoint_step decides, as the resume does)."""
-    whole = [i for i, path in enumerate(checkpoints) if checkpoint_step(path) is not None]
+    'no loadable checkpoint: X damaged'. `kinds`: runs.folder.checkpoint_kind of each checkpoint; a resume loads only
+    a whole full one (checkpoint_step's judgement), so a weights-only one counts as not loadable here."""
+    whole = [i for i, kind in enumerate(kinds) if kind is not None and not kind[1]]
     damaged = [path.name for path in checkpoints[whole[-1] + 1 if whole else 0:]]  # list_checkpoints' step order
     if not whole:
         return f"no loadable checkpoint: {', '.join(damaged)} damaged, so --resume starts from step 0"
@@ -291,12 +293,12 @@ def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = Fa
             f"nearpolicy train --set model.path={shlex.quote(f'{run_dir}/export/step_{step:06d}')} --set run.name=NEW")
 
 
-def _finished_run(run_dir: Path, checkpoints: list[Path], steps_now: int) -> str | None:
+def _finished_run(run_dir: Path, kinds: list[tuple[int, bool] | None], steps_now: int) -> str | None:
     """The refusal of a plain start on a run that finished: its newest whole checkpoint (runs.folder.checkpoint_kind,
     a weights-only one included) is at or past its own run.steps (from its config.json; `steps_now`, the new
     config's, without one), so --resume would have nothing to do. Its step count and how to go on; None when it did
     not finish (the caller then gives its ordinary advice)."""
-    usable = [kind for path in checkpoints if (kind := checkpoint_kind(path)) is not None]
+    usable = [kind for kind in kinds if kind is not None]  # kinds: runs.folder.checkpoint_kind of each checkpoint
     try:
         config = read_json_object(run_dir / "config.json") if (run_dir / "config.json").exists() else {}
     except RunFolderError:
