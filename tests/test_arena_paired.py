@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from nearpolicy.arena.comparisons import arm_pairs, compare_paired, eval_floor, paired_comparisons
+from nearpolicy.arena.comparisons import compare_paired, eval_floor, paired_comparisons
+from nearpolicy.arena.keys import arm_pairs
 from nearpolicy.arena.paired import M80, Paired, m80, paired_bootstrap, paired_seeds, problem_noise_floor, verdict
 from nearpolicy.arena.runner import run_arena
 from nearpolicy.arena.spec import load_arena

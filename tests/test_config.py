@@ -172,7 +172,7 @@ def test_every_key_has_a_doc_and_nearpolicy_config_prints_each_with_default_and_
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     keys = [f"{section}.{key}" for section, s in Config.model_fields.items() for key in s.annotation.model_fields]
-    assert len(keys) == 152
+    assert len(keys) == 153
     for key in keys:
         assert f"  {key} = " in out, key
     lines = out.splitlines()

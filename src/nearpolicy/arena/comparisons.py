@@ -23,7 +23,7 @@ import numpy as np
 
 from nearpolicy.arena.paired import (MOST_SEEDS, Paired, paired_bootstrap, paired_seeds, problem_noise_floor,
                                      seeds_for_mde, t975, verdict)
-from nearpolicy.arena.keys import arm_pairs, pair_label  # noqa: F401 (arm_pairs re-exported)
+from nearpolicy.arena.keys import arm_pairs, pair_label
 from nearpolicy.arena.table import MIN_SEEDS, Aggregate, CellResult, Comparison, compare
 
 

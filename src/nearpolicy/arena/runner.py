@@ -134,10 +134,11 @@ def seed_major(spec: ArenaSpec, cells: list[Cell]) -> list[Cell]:
 
 def look(spec: ArenaSpec, state: ArenaState, rule: sequential.Rule, history: list, done: int) -> sequential.Decision:
     """The rule's look after the first `done` seeds of arena.seeds: each comparison the rule waits for (arena.stop_for;
-    default every one of comparisons.arm_pairs) of the arena.stop_on outcome, paired over those seeds' results only
+    default every one of keys.arm_pairs) of the arena.stop_on outcome, paired over those seeds' results only
     (later seeds' cells, if any ran, are left out), judged at the rule's level and appended to `history`; returns
     sequential.decide's decision."""
-    from nearpolicy.arena.comparisons import arm_pairs, compare_paired, pair_label
+    from nearpolicy.arena.comparisons import compare_paired
+    from nearpolicy.arena.keys import arm_pairs, pair_label
     from nearpolicy.arena.table import arena_results
 
     seeds = spec.seeds[:done]

@@ -8,7 +8,7 @@ cell of the first seed, then of the next), so after each seed every arm has the 
 i = m .. S, the rule takes look j = i - m + 1 of K = S - m + 1 planned looks, over the first i seeds of the list,
 at the two-sided level alpha / K (alpha = ALPHA = 0.05); later seeds' results, if any cell of them ran (an
 earlier sitting without the rule), are left out of the look. For each comparison the rule waits for
-(arena.stop_for, stop_settings.py; default every one of comparisons.arm_pairs) of the chosen outcome
+(arena.stop_for, stop_settings.py; default every one of keys.arm_pairs) of the chosen outcome
 (arena.stop_on), paired over the matched seeds (paired.paired_seeds: difference d, SE with the eval set's floor,
 df = n - 1):
 

@@ -165,6 +165,10 @@ def check_sections_agree(cfg) -> None:
     if a.precision_alignment == "engine" and (not kind.alignable or e.flash_attention):
         raise ValueError("algorithm.precision_alignment = 'engine' emulates llama.cpp without flash attention: set "
                          "engine.kind = 'llamacpp' and engine.flash_attention = false, or precision_alignment = 'off'")
+    if a.precision_alignment == "engine" and a.trainer_precision != "fp32":
+        raise ValueError(f"algorithm.trainer_precision = {a.trainer_precision!r} beside precision_alignment = 'engine': "
+                         "the aligned forward computes llama.cpp's own rounding, which autocast would replace; use "
+                         "trainer_precision = 'fp32' with the aligned trainer")
     if a.group_size == 1 and a.advantage in GROUP_RELATIVE and (cfg.distill.teacher is None or cfg.distill.reward_weight):
         raise ValueError(f"algorithm.group_size = 1 with algorithm.advantage = {a.advantage!r}: a group-relative "
                          "estimator gives a group of one advantage 0, so the run would train on nothing; set "

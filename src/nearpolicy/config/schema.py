@@ -223,6 +223,12 @@ class AlgorithmConfig(TurnCreditFields):
     activations rounded as llama.cpp rounds them for that weight type, the embedding lookup on the dequantized
     table, Q / K / V / attention probabilities rounded to f16 with engine.kv_cache = "f16"; gradients reach the
     fp32 weights straight through. llamacpp engine without flash attention only. off: the plain fp32 forward."""
+    trainer_precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: the recompute's and the update's transformer body runs under torch.autocast(bfloat16) (its matmuls and
+    attention in bf16, the residual stream in fp32); the weights, gradients, AdamW, the LM head and the log-softmax
+    stay fp32 (model/policy.trainer_compute). Faster where the CPU multiplies bf16 natively (AVX512-BF16, AMX;
+    docs/results.md sec. 5), at the price of a larger trainer/engine mismatch, which the metrics measure. fp32: the
+    plain fp32 forward. Not with precision_alignment = "engine"."""
     lr: float = Field(2e-5, gt=0, le=1)
     """AdamW peak learning rate (0 < lr <= 1); algorithm.lr_schedule shapes it over the run."""
     lr_schedule: Literal[LR_SCHEDULES] = "constant"

@@ -19,7 +19,7 @@ from nearpolicy.model.load import pad_token_id, stop_token_ids
 from nearpolicy.ops.diagnostics import (k3_standard_error, logprob_diff_quantiles, mismatch_by_position,
                                         mismatch_metrics, sequence_ess, sequence_mismatch_metrics)
 from nearpolicy.types import GenerationRequest, SamplingParams
-from nearpolicy.model.policy import recompute_logprobs
+from nearpolicy.model.policy import recompute_logprobs, trainer_compute
 
 
 @dataclass
@@ -40,6 +40,7 @@ class DiagnoseContext:
     position_bucket: int = 8
     max_parallel: int = 64  # engine.max_parallel_sequences
     vllm_kv_cache_gib: float = 1.0  # engine.vllm_kv_cache_gib
+    trainer_precision: str = "fp32"  # algorithm.trainer_precision: the trainer's log-probs as the update computes them
 
 
 @dataclass
@@ -116,7 +117,8 @@ def measure_candidate(ctx: DiagnoseContext, candidate: RolloutCandidate, on_samp
         batch, seconds = sample_batch(ctx, engine, sampling, on_samples)
     finally:
         engine.close()
-    trainer = recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
+    with trainer_compute(ctx.trainer_precision):
+        trainer = recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
     defined = batch.mask & batch.has_rollout
     result = summarise(candidate, trainer, batch.rollout_logprobs, defined, ctx.position_bucket, seconds)
     aligned = aligned_logprobs(ctx, candidate, batch, sampling)

@@ -134,7 +134,8 @@ def _context(cfg: Config, settings: DiagnoseSettings, log) -> DiagnoseContext:
                            settings.group_size, sampling, workdir, cfg.run.seed, cfg.run.threads,
                            cfg.model.max_context, cfg.algorithm.micro_batch_size,
                            max_parallel=cfg.engine.max_parallel_sequences,
-                           vllm_kv_cache_gib=cfg.engine.vllm_kv_cache_gib)
+                           vllm_kv_cache_gib=cfg.engine.vllm_kv_cache_gib,
+                           trainer_precision=cfg.algorithm.trainer_precision)
 
 
 def _scan(ctx: DiagnoseContext, precision: str, reference: RolloutCandidate, settings: DiagnoseSettings) -> dict:

@@ -1,4 +1,4 @@
-"""Trainer-side log-probs of sampled tokens (fp32, token-in/token-out).
+"""Trainer-side log-probs of sampled tokens (fp32, or a bf16 body under trainer_compute; token-in/token-out).
 
 Two ways to run a TokenBatch through the model, equal to float32 rounding:
 - padded: every row runs its prompt + completion, right-padded to the batch's longest row;
@@ -17,6 +17,8 @@ log-prob and entropy come from [R, C] blocks of logits, recomputed in the backwa
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -44,13 +46,33 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Sampl
     a head transform it does not know (head_softcap)."""
     hidden, valid = completion_hidden(model, batch)
     ids = batch.completion_ids[valid]
-    if uses_chunked_head(model, len(ids), sampling):
-        picked, entropy = _chunked(model, hidden, ids, sampling.temperature, entropy_grad)
-    else:
-        picked, entropy = token_logprobs_and_entropy(
-            head_logits(model, hidden), ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
-        )
+    with head_in_fp32():
+        if uses_chunked_head(model, len(ids), sampling):
+            picked, entropy = _chunked(model, hidden, ids, sampling.temperature, entropy_grad)
+        else:
+            picked, entropy = token_logprobs_and_entropy(
+                head_logits(model, hidden), ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
+            )
     return _scatter(picked, valid), _scatter(entropy, valid)
+
+
+def trainer_compute(precision: str) -> contextlib.AbstractContextManager:
+    """The context the trainer's forward and backward run in (algorithm.trainer_precision): "fp32" none, "bf16"
+    torch.autocast on the CPU in bfloat16, so the transformer body's matmuls and attention run in bf16 while the
+    weights, their gradients and the residual stream stay fp32; the LM head and log-softmax leave autocast
+    (head_in_fp32), since bf16 logits (8 mantissa bits) would move log-probs by about 0.1 nats at |z| ~ 20.
+    Raises ValueError for another precision."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    raise ValueError(f"unknown trainer precision {precision!r}; valid: fp32, bf16")
+
+
+def head_in_fp32() -> contextlib.AbstractContextManager:
+    """Autocast off: the LM head, log-softmax and entropy run in fp32 on fp32 hidden states whatever the caller's
+    trainer_compute (a no-op under fp32)."""
+    return torch.autocast("cpu", enabled=False)
 
 
 def completion_hidden(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +89,8 @@ def completion_logits(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.
     log-softmax over the vocabulary never run at prompt positions nor at the padding of shorter completions.
     Materialises [n, V]: sequence_logprobs avoids it where it can (uses_chunked_head)."""
     hidden, valid = completion_hidden(model, batch)
-    return head_logits(model, hidden), valid
+    with head_in_fp32():
+        return head_logits(model, hidden), valid
 
 
 def head_softcap(config) -> float | None:
@@ -87,7 +110,8 @@ def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The logits [n, V] float32 of final hidden states [n, H], as model(...).logits has them: the output embedding,
     then the final-logit softcap where the config sets one (head_softcap, whose ValueError it raises)."""
     cap = head_softcap(model.config)
-    logits = model.get_output_embeddings()(hidden).float()
+    with head_in_fp32():
+        logits = model.get_output_embeddings()(hidden.float()).float()
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
@@ -105,8 +129,9 @@ def uses_chunked_head(model: torch.nn.Module, rows: int, sampling: SamplingParam
 def _chunked(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, temperature: float,
              entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     head = model.get_output_embeddings()
-    return chunked_logprobs_and_entropy(hidden, head.weight, head.bias, ids, temperature,
-                                        head_softcap(model.config), entropy_grad)
+    with head_in_fp32():
+        return chunked_logprobs_and_entropy(hidden.float(), head.weight, head.bias, ids, temperature,
+                                            head_softcap(model.config), entropy_grad)
 
 
 def _scatter(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -125,15 +150,16 @@ def sequence_logprobs_with_raw(model: torch.nn.Module, batch: TokenBatch, sampli
     ids = batch.completion_ids[valid]
     vocab = model.get_output_embeddings().weight.shape[0]
     identity = sampling.temperature == 1.0 and keeps_every_token(sampling.top_k, sampling.top_p, vocab)
-    if uses_chunked_head(model, len(ids), sampling):
-        picked, entropy = _chunked(model, hidden, ids, sampling.temperature, entropy_grad)
-        raw = picked if identity else _chunked(model, hidden, ids, 1.0, False)[0]
-    else:
-        logits = head_logits(model, hidden)
-        picked, entropy = token_logprobs_and_entropy(
-            logits, ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
-        )
-        raw = picked if identity else raw_logprobs(logits, ids)
+    with head_in_fp32():
+        if uses_chunked_head(model, len(ids), sampling):
+            picked, entropy = _chunked(model, hidden, ids, sampling.temperature, entropy_grad)
+            raw = picked if identity else _chunked(model, hidden, ids, 1.0, False)[0]
+        else:
+            logits = head_logits(model, hidden)
+            picked, entropy = token_logprobs_and_entropy(
+                logits, ids, sampling.temperature, sampling.top_k, sampling.top_p, entropy_grad
+            )
+            raw = picked if identity else raw_logprobs(logits, ids)
     return _scatter(picked, valid), _scatter(entropy, valid), _scatter(raw, valid)
 
 
