@@ -20,6 +20,7 @@ TARGETS = {
     "rollout_vs_generate": 2.0,  # nearpolicy rollout with log-probs / transformers generate, same batch
     "rollout_vs_decode_bound": 0.40,  # rollout tokens/s / (GEMM peak / (2 x params)) at prompts x G
     "grpo_step_vs_trl": 0.33,  # nearpolicy step time / TRL step time (issue 19)
+    "grpo_step_equal_length_vs_trl": 0.33,  # the same, every response exactly the token limit on both sides (issue 39)
     "diagnostics_overhead": 0.02,  # mismatch metrics time / step time
     "trainer_vs_gemm_peak": 0.50,  # achieved forward+backward FLOP/s / GEMM peak
 }
@@ -188,7 +189,9 @@ def render_markdown(res: dict, d: dict, command: str, notes: str = "", raw: str 
         lines += ["## 2. GRPO step time: nearpolicy vs TRL GRPOTrainer", "",
                   f"SmolLM2-135M-Instruct, chain_sum, {s['prompts']} prompts x G = {s['group']}, max {s['grpo_new_tokens']} "
                   f"new tokens, lr {s['lr']}, beta 0, micro-batch {s['micro_batch']}, {s['grpo_steps']} steps per run "
-                  "(first step dropped as warm-up when more than one); seconds per step.", ""]
+                  "(first step dropped as warm-up when more than one); seconds per step."
+                  + (" Both sides update in bf16 (nearpolicy algorithm.trainer_precision = bf16, TRL GRPOConfig(bf16="
+                     "True)); rollouts as in the fp32 runs." if s.get("trainer_precision") == "bf16" else ""), ""]
         rows = []
         for name, g in grpo.items():
             ph = g.get("phases", {})
@@ -271,6 +274,10 @@ def targets_rows(res: dict, d: dict) -> list[list[str]]:
         v = d["grpo_step_ratio"]["median"]
         target = TARGETS["grpo_step_vs_trl"]
         rows.append([f"GRPO step <= {target} x TRL's", f"{v:.2f}x", verdict(v, target, False)])
+    if "grpo_step_ratio_equal_length" in d:
+        v = d["grpo_step_ratio_equal_length"]["median"]
+        target = TARGETS["grpo_step_equal_length_vs_trl"]
+        rows.append([f"GRPO step at equal length <= {target} x TRL's", f"{v:.2f}x", verdict(v, target, False)])
     if "diagnostics_overhead" in d:
         v = d["diagnostics_overhead"]["median"]
         rows.append(["diagnostics < 2% of step time", f"{100 * v:.3f}%", verdict(v, TARGETS["diagnostics_overhead"], False)])

@@ -141,6 +141,8 @@ def notes(res: dict, d: dict) -> str:
         missed.append("rollout vs the decoding compute bound")
     if d.get("grpo_step_ratio", {}).get("median", 0) > TARGETS["grpo_step_vs_trl"]:
         missed.append("GRPO step vs TRL")
+    if d.get("grpo_step_ratio_equal_length", {}).get("median", 0) > TARGETS["grpo_step_equal_length_vs_trl"]:
+        missed.append("GRPO step vs TRL at equal length")
     if d.get("diagnostics_overhead", {}).get("median", 0) > TARGETS["diagnostics_overhead"]:
         missed.append("diagnostics overhead")
     if d.get("trainer_vs_gemm_peak", 1) < TARGETS["trainer_vs_gemm_peak"]:

@@ -117,7 +117,8 @@ class Harness:
                 f"algorithm.prompts_per_step={s['prompts']}", f"algorithm.group_size={s['group']}",
                 f"algorithm.micro_batch_size={s['micro_batch']}", f"algorithm.lr={s['lr']}",
                 f"sampling.max_new_tokens={s['grpo_new_tokens']}",
-                "algorithm.lr_schedule=constant", "algorithm.warmup_steps=0"]  # TRL's constant lr, not the recipe's
+                "algorithm.lr_schedule=constant", "algorithm.warmup_steps=0",  # TRL's constant lr, not the recipe's
+                f"algorithm.trainer_precision={self.args.trainer_precision}"]  # TRL: GRPOConfig(bf16=...) from it
 
     def nearpolicy_grpo(self, name: str, diagnostics: bool, extra: tuple[str, ...] = ()) -> dict | None:
         """One `nearpolicy train` run of configs/main.toml at the harness's GRPO settings; `extra`: more overrides
@@ -188,6 +189,8 @@ class Harness:
                               else lambda: None),
                              (EQUAL_ARMS[1], (lambda: self.trl_grpo(equal_length=True)) if equal and trl
                               else lambda: None)):
+                if self.args.grpo_arms and name not in self.args.grpo_arms:
+                    continue
                 r = fn()
                 if r is not None:
                     runs[name].append(r)
@@ -226,7 +229,8 @@ class Harness:
     def run(self) -> dict:
         a, s = self.args, self.s
         res = {"settings": s | {"threads": a.threads, "repeats": a.repeats, "quick": a.quick,
-                                "equal_length": s["grpo_new_tokens"] if a.equal_length == "on" else None},
+                                "equal_length": s["grpo_new_tokens"] if a.equal_length == "on" else None,
+                                "trainer_precision": a.trainer_precision, "grpo_arms": a.grpo_arms},
                "machine": self.machine()}
         print(f"benchmark ({'quick' if a.quick else 'full'}), logs in {self.log}", flush=True)
         print(" GEMM peak", flush=True)
@@ -279,6 +283,12 @@ def main() -> None:
     p.add_argument("--equal-length", choices=["on", "off"], default="on",
                    help=f"the GRPO arms {' and '.join(EQUAL_ARMS)}: stop tokens ignored on both sides, every response "
                         "exactly the GRPO token limit long (the same work per step)")
+    p.add_argument("--trainer-precision", choices=["fp32", "bf16"], default="fp32",
+                   help="both sides' update arithmetic: nearpolicy algorithm.trainer_precision, TRL GRPOConfig(bf16=...) "
+                        "(accelerate's CPU autocast); the rollouts are unchanged")
+    p.add_argument("--grpo-arms", nargs="+", default=None, metavar="ARM",
+                   help="run only these GRPO arms (nearpolicy, nearpolicy-no-diagnostics, trl, "
+                        f"{' '.join(EQUAL_ARMS)}, {HF_ARM}); default every one")
     p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks")
     p.add_argument("--render", type=Path, default=None,
                    help="re-write the markdown from an earlier run's JSON (no measurement), e.g. docs/benchmarks.json")

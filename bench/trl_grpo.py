@@ -8,6 +8,8 @@ prompts per step, micro-batch (per_device_train_batch_size; gradient accumulatio
 one generation batch per optimizer step), max new tokens, temperature 1, lr, AdamW betas and weight decay,
 gradient clipping, clip epsilon 0.2 / 0.28, beta 0 (no reference model), constant learning rate, the same stop
 ids (nearpolicy's end-of-generation set). Generation is transformers `generate` (use_vllm=False) on the CPU. A step is timed from on_step_begin to on_step_end.
+With algorithm.trainer_precision = "bf16" among the overrides, GRPOConfig(bf16=True): accelerate's CPU autocast,
+fp32 weights, nearpolicy's bf16 update counterpart (run_all.py --trainer-precision bf16).
 
 `--min-new-tokens L` (the harness's equal-length arm, with --new-tokens L): transformers' min_new_tokens masks every
 stop id for the first L tokens, so every response is exactly L tokens, all of them trained (TRL's completion mask ends
@@ -64,7 +66,8 @@ def build_trainer(cfg, task, model, tokenizer, out_dir: str, *, steps: int, prom
     if samples % micro_batch:
         raise SystemExit(f"prompts x G = {samples} must be a multiple of the micro-batch {micro_batch}")
     config = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
+        output_dir=out_dir, use_cpu=True, bf16=a.trainer_precision == "bf16", fp16=False, report_to="none",
+        save_strategy="no",
         logging_steps=1, disable_tqdm=True, max_steps=steps, seed=cfg.run.seed if seed is None else seed,
         per_device_train_batch_size=micro_batch, gradient_accumulation_steps=samples // micro_batch,
         num_generations=group, max_completion_length=new_tokens, temperature=cfg.sampling.temperature,

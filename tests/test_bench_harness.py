@@ -103,6 +103,22 @@ def test_missed_targets_are_named():
     assert "Targets missed in this run: trainer vs GEMM peak." in profiles.notes(res, d)
 
 
+def test_the_equal_length_ratio_is_a_target_of_its_own():
+    s = lambda m: {"median": m, "min": m, "max": m, "n": 3, "values": [m] * 3}  # noqa: E731
+    res = _results()
+    res["grpo"] |= {"nearpolicy-equal-length": {"step_s": s(19.5)}, "trl-equal-length": {"step_s": s(44.6)}}
+    d = harness.derive(res)
+    md = harness.render_markdown(res, d, "make bench", profiles.notes(res, d))
+    assert "| GRPO step at equal length <= 0.33 x TRL's | 0.44x | missed |" in md
+    assert "Targets missed in this run: GRPO step vs TRL at equal length." in md
+    res["grpo"]["nearpolicy-equal-length"]["step_s"] = s(13.0)
+    d = harness.derive(res)
+    assert "| GRPO step at equal length <= 0.33 x TRL's | 0.29x | met |" in harness.render_markdown(res, d, "make bench")
+    assert "Both sides update in bf16" not in harness.render_markdown(res, d, "make bench")
+    res["settings"]["trainer_precision"] = "bf16"
+    assert "Both sides update in bf16" in harness.render_markdown(res, d, "make bench")
+
+
 def test_decode_steps_are_bucketed_by_active_sequences():
     steps = {"32": [10, 1.0], "30": [5, 0.4], "3": [20, 0.6], 8: [1, 0.05], 9: [2, 0.1]}
     assert profiles.decode_step_buckets(steps) == [(1, 8, 21, 68, 0.65), (9, 16, 2, 18, 0.1), (25, 32, 15, 470, 1.4)]
