@@ -528,9 +528,9 @@ def test_a_resume_that_changes_the_engine_precision_says_so():
 def test_resume_is_refused_before_loading_when_metrics_are_damaged(tmp_path):
     run = _metrics_file(tmp_path / "r", '{"step": 0}\n{"step": 1, "x": nul}\n{"step": 2}\n')
     with pytest.raises(runs.RunFolderError, match="line 2 is not valid JSON"):
-        resume.check_resume(run, Config(), {"kind": "reasoning_gym"})
+        resume.check_resume(run, Config(), {"kind": "reasoning_gym"}, [], [])
     _metrics_file(run, '{"step": 0}\n{"step": 1, "x": 0.5}\n{"step": 2, "x"')  # a kill's cut-short line: resumable
-    resume.check_resume(run, Config(), {"kind": "reasoning_gym"})
+    resume.check_resume(run, Config(), {"kind": "reasoning_gym"}, [], [])
 
 
 def test_resume_command_names_the_program_the_user_can_type(monkeypatch, tmp_path):

@@ -15,8 +15,7 @@ from typing import Any
 from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
 from nearpolicy.model.load import DEFAULT_SPEC
 from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_kind,
-                                    checkpoint_step, is_finite_number, list_checkpoints, read_json_object,
-                                    read_metrics)
+                                    is_finite_number, list_checkpoints, read_json_object, read_metrics)
 from nearpolicy.signals import resume_command
 from nearpolicy.tasks.identity import data_changes, data_identity
 
@@ -185,11 +184,11 @@ def check_same_data(plan_path: Path, now: dict) -> None:
                              "the data it started with (restore it, or use a new run.name)")
 
 
-def check_not_weights_only(run_dir: Path) -> None:
-    """Refuse (RunExistsError) a --resume whose newest whole checkpoint (runs.folder.checkpoint_kind: damaged ones are
-    skipped, as the resume skips them) holds the weights only (logging.final_weights_only): it has no optimizer
-    state to continue from."""
-    usable = [(path, kind) for path in list_checkpoints(run_dir) if (kind := checkpoint_kind(path)) is not None]
+def check_not_weights_only(run_dir: Path, checkpoints: list[Path], kinds: list[tuple[int, bool] | None]) -> None:
+    """Refuse (RunExistsError) a --resume whose newest whole checkpoint (`kinds`: runs.folder.checkpoint_kind of each
+    of `checkpoints`; damaged ones are skipped, as the resume skips them) holds the weights only
+    (logging.final_weights_only): it has no optimizer state to continue from."""
+    usable = [(path, kind) for path, kind in zip(checkpoints, kinds) if kind is not None]
     if usable and usable[-1][1][1]:
         newest = usable[-1][0]
         older = f", or delete it to resume from {usable[-2][0].name}" if len(usable) > 1 else ""
@@ -199,13 +198,14 @@ def check_not_weights_only(run_dir: Path) -> None:
             f"run with model.path set to the exported folder{older}")
 
 
-def check_resume(run_dir: Path, cfg: Config, data: dict) -> None:
+def check_resume(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path],
+                 kinds: list[tuple[int, bool] | None]) -> None:
     """Refuse a --resume before anything loads: a changed config or data (RunExistsError), a weights-only newest
-    checkpoint (RunExistsError) or a damaged metrics.jsonl (RunFolderError, which the resume would meet only after
-    the minutes of loading)."""
+    checkpoint among `checkpoints` (their `kinds`, check_not_weights_only; RunExistsError) or a damaged metrics.jsonl
+    (RunFolderError, which the resume would meet only after the minutes of loading)."""
     check_same_config(run_dir / "config.json", cfg)
     check_same_data(run_dir / "plan.json", data)
-    check_not_weights_only(run_dir)
+    check_not_weights_only(run_dir, checkpoints, kinds)
     if (run_dir / METRICS).exists():
         read_metrics(run_dir)
 
@@ -228,10 +228,10 @@ def check_run_folder(cfg: Config, resume: bool) -> FolderCheck:
     run_dir = cfg.run.output_dir / cfg.run.name
     data = data_identity(cfg.task.kind, cfg.task.path, cfg.task.name)
     checkpoints = list_checkpoints(run_dir)
+    kinds = [checkpoint_kind(path) for path in checkpoints]  # read once: every judgement below is made from them
     if resume:
-        check_resume(run_dir, cfg, data)
-        return _resume_check(run_dir, cfg, data, checkpoints)
-    kinds = [checkpoint_kind(path) for path in checkpoints]  # read once: both messages below judge from them
+        check_resume(run_dir, cfg, data, checkpoints, kinds)
+        return _resume_check(run_dir, cfg, data, checkpoints, kinds)
     if (finished := _finished_run(run_dir, kinds, cfg.run.steps)) is not None:
         raise RunExistsError(finished)
     if checkpoints:
@@ -264,10 +264,13 @@ def _resume_point(checkpoints: list[Path], kinds: list[tuple[int, bool] | None])
     return f"last checkpoint {checkpoints[whole[-1]].name}{newer}"
 
 
-def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path]) -> FolderCheck:
-    """What --resume will do: continue from the newest checkpoint that looks whole (runs.folder.checkpoint_step; the load
-    skips damaged ones the same way), start over without one, or nothing (RunFinished) when no step is left."""
-    found = next(((path, step) for path in reversed(checkpoints) if (step := checkpoint_step(path)) is not None), None)
+def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path],
+                  kinds: list[tuple[int, bool] | None]) -> FolderCheck:
+    """What --resume will do: continue from the newest whole full checkpoint (`kinds`: runs.folder.checkpoint_kind of
+    each; what checkpoint_step accepts, and the load skips damaged ones the same way), start over without one, or
+    nothing (RunFinished) when no step is left."""
+    found = next(((path, kind[0]) for path, kind in zip(reversed(checkpoints), reversed(kinds))
+                  if kind is not None and not kind[1]), None)
     if found is None:
         none = "no checkpoint" if not checkpoints else "no loadable checkpoint"
         return FolderCheck(data, f"--resume in {run_dir}, which has {none}: starts from step 0")
