@@ -290,21 +290,24 @@ def test_the_lora_table_is_what_the_script_prints_from_the_committed_cells():
 
 
 @pytest.mark.parametrize("script,args,committed", [
-    ("mixture_table.py", ["arena-mixture.tar.gz"], "mixture-table.md"),
-    ("paired_cells.py", ["arena-mixture.tar.gz", "adaptive/q8_0:fixed/q8_0"], "mixture-paired.md"),
-    ("paired_cells.py", ["arena-methods.tar.gz", "popo/q8_0:full/q8_0", "xrpo/q8_0:full/q8_0", "mipu/q8_0:full/q8_0",
-                         "reward_variance/q8_0:full/q8_0", "mipu/q4_1:full/q4_1"], "methods-paired.md"),
-    ("paired_cells.py", ["arena-distill.tar.gz", "forward/q8_0:reverse/q8_0", "ropd/q8_0:forward/q8_0",
+    ("mixture_table.py", ["arena-runs/arena-mixture.tar.gz"], "mixture-table.md"),
+    ("paired_cells.py", ["arena-runs/arena-mixture.tar.gz", "adaptive/q8_0:fixed/q8_0"], "mixture-paired.md"),
+    ("paired_cells.py", ["arena-runs/arena-methods.tar.gz", "popo/q8_0:full/q8_0", "xrpo/q8_0:full/q8_0",
+                         "mipu/q8_0:full/q8_0", "reward_variance/q8_0:full/q8_0", "mipu/q4_1:full/q4_1"],
+     "methods-paired.md"),
+    ("paired_cells.py", ["arena-runs/arena-distill.tar.gz", "forward/q8_0:reverse/q8_0", "ropd/q8_0:forward/q8_0",
                          "ropd/q8_0:reverse/q8_0"], "distill-paired.md"),
-    ("paired_cells.py", ["arena-mc-grpo-power.tar.gz", "mc_grpo_g1/G8:mc_grpo_g1/G2", "grpo/G8:grpo/G2",
+    ("paired_cells.py", ["arena-runs/arena-mc-grpo-power.tar.gz", "mc_grpo_g1/G8:mc_grpo_g1/G2", "grpo/G8:grpo/G2",
                          "mc_grpo_g1/G2:grpo/G2", "mc_grpo_g1/G8:grpo/G8"], "mc-grpo-power-paired.md"),
+    ("main_precision_table.py", ["runs/main-precision-2026-12-07.tar.gz"], "main-precision-table.md"),
+    ("paired_cells.py", ["runs/main-precision-2026-12-07.tar.gz", "bf16/q8_0:fp32/q8_0"], "main-precision-paired.md"),
 ])
 def test_the_seed_method_tables_are_what_the_scripts_print_from_the_committed_cells(script, args, committed):
-    """docs/results.md secs. 17-19's tables and the problems x seeds column of docs/arena.md's MC-GRPO power arena
-    (docs/bench/*.md) are the scripts' output on the committed packages."""
+    """docs/results.md secs. 1 and 17-19's tables and the problems x seeds column of docs/arena.md's MC-GRPO power
+    arena (docs/bench/*.md) are the scripts' output on the committed packages."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
-    printed = subprocess.run([sys.executable, str(root / "bench" / script), str(root / "docs/arena-runs" / args[0]),
+    printed = subprocess.run([sys.executable, str(root / "bench" / script), str(root / "docs" / args[0]),
                               *args[1:]], check=True, capture_output=True, text=True, cwd=root).stdout
     assert printed == (root / "docs/bench" / committed).read_text()
