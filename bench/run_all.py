@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ROLLOUTS = ["llamacpp:f16", "llamacpp:q8_0", "llamacpp:q4_1", "hf:fp32", "hf:bf16", "transformers-generate",
             "transformers-generate+logprobs"]
 HF_ENGINE = ("engine.kind=hf", "engine.hf_dtype=bf16")
+GRPO_ARMS = ("nearpolicy", "nearpolicy-no-diagnostics", HF_ARM, "trl", *EQUAL_ARMS)
 IGNORE_EOS = ("sampling.ignore_eos=true",)  # nearpolicy's side of the equal-length arm (TRL's: --min-new-tokens)
 FULL = dict(prompts=4, group=8, new_tokens=128, grpo_new_tokens=64, grpo_steps=6, micro_batch=8, gemm_n=2048,
             gemm_inner=5, train_batch=8, train_seq=128, train_inner=3, eval_size=32, lr=2e-5)
@@ -286,9 +287,8 @@ def main() -> None:
     p.add_argument("--trainer-precision", choices=["fp32", "bf16"], default="fp32",
                    help="both sides' update arithmetic: nearpolicy algorithm.trainer_precision, TRL GRPOConfig(bf16=...) "
                         "(accelerate's CPU autocast); the rollouts are unchanged")
-    p.add_argument("--grpo-arms", nargs="+", default=None, metavar="ARM",
-                   help="run only these GRPO arms (nearpolicy, nearpolicy-no-diagnostics, trl, "
-                        f"{' '.join(EQUAL_ARMS)}, {HF_ARM}); default every one")
+    p.add_argument("--grpo-arms", nargs="+", default=None, metavar="ARM", choices=GRPO_ARMS,
+                   help=f"run only these GRPO arms ({', '.join(GRPO_ARMS)}); default every one")
     p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks")
     p.add_argument("--render", type=Path, default=None,
                    help="re-write the markdown from an earlier run's JSON (no measurement), e.g. docs/benchmarks.json")
