@@ -264,6 +264,14 @@ def cpu_has_amx() -> bool:
         return False
 
 
+def unrunnable_arms(args) -> list[str]:
+    """The --grpo-arms the options leave out (Harness.grpo runs an arm only when its gate is open)."""
+    hf = args.hf_arm == "on" or (args.hf_arm == "auto" and cpu_has_amx())
+    trl, equal = args.trl_python is not None, args.equal_length == "on"
+    gates = {"trl": trl, EQUAL_ARMS[0]: equal, EQUAL_ARMS[1]: equal and trl, HF_ARM: hf}
+    return [arm for arm in args.grpo_arms or [] if "grpo" not in args.parts or not gates.get(arm, True)]
+
+
 def _shown(path: Path) -> str:
     """`path` as a page names it: relative to the checkout when inside it (the default --out is absolute)."""
     path = path.resolve()
@@ -302,6 +310,9 @@ def main() -> None:
                                       notes(res, res["derived"]) + kept_sections(), raw=str(args.render)))
         print(f"wrote {md}")
         return
+    if blocked := unrunnable_arms(args):
+        p.error(f"--grpo-arms {' '.join(blocked)}: not run with these options (TRL needs --trl-python, the equal-length "
+                f"arms --equal-length on, {HF_ARM} --hf-arm on or a CPU with AMX) or without --parts grpo")
     args.repeats = args.repeats or (1 if args.quick else 3)
     t0 = time.perf_counter()
     h = Harness(args)

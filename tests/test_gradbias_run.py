@@ -19,6 +19,7 @@ from nearpolicy.gradbias.run import GradbiasSettings, run_gradbias
     (["--corrections", "off", "nope"], "unknown correction 'nope'"),
     (["--replicates", "2"], "--replicates must be >= 3"),
     (["--sketch-dim", "-5"], "--sketch-dim must be >= 1"),
+    (["--set", "algorithm.trainer_precision=bf16"], "gradbias measures the fp32 trainer's gradients"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(args, message, capsys, tmp_path):
     assert main(["gradbias", "--out", str(tmp_path / "g"), *args]) == 2

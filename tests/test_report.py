@@ -273,6 +273,12 @@ def test_summary_report_and_compare_say_what_each_run_is(tmp_path: Path, capsys:
     assert [legend_name(run) for run in runs] == ["run-a (llamacpp:q4_1, icepop)", "run-b (hf:fp32, off)"]
     fig = panel_figure(PANELS[1], runs)  # eval accuracy: one line per run
     assert fig.legends[0].get_texts()[0].get_text() == "run-a (llamacpp:q4_1, icepop)"
+    from nearpolicy.runs.summary import describe_run
+
+    bf16 = {"algorithm": config["algorithm"] | {"trainer_precision": "bf16"}}
+    assert describe_run(bf16, plan)["update"] == "grpo / ppo_clip / token-mean, trainer in bf16"
+    assert describe_run({"algorithm": config["algorithm"] | {"trainer_precision": "fp32"}}, plan)["update"] == \
+        "grpo / ppo_clip / token-mean"
 
 
 def test_summary_and_report_name_the_learning_rate_schedule(tmp_path: Path, capsys: pytest.CaptureFixture):

@@ -34,12 +34,26 @@ def _batch(seed: int = 0):
 
 
 def _logprobs_and_grads(model, batch, precision: str):
+    """As the update runs it: the forward under trainer_compute, the backward outside it."""
     model = copy.deepcopy(model)
     with trainer_compute(precision):
         logprobs, _ = sequence_logprobs(model, batch, SAMPLING)
-        advantages = torch.linspace(-1.0, 1.5, len(batch))[:, None]
-        (-torch.where(batch.mask, advantages * logprobs, 0.0).sum() / batch.mask.sum()).backward()
+    advantages = torch.linspace(-1.0, 1.5, len(batch))[:, None]
+    (-torch.where(batch.mask, advantages * logprobs, 0.0).sum() / batch.mask.sum()).backward()
     return logprobs.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+class _GradientRecorder:
+    """An optimizer stand-in for policy_update: step() keeps a copy of every gradient, nothing moves."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=True)
+
+    def step(self):
+        self.grads = {name: p.grad.clone() for name, p in self.model.named_parameters()}
 
 
 def test_bf16_moves_the_logprobs_a_little_and_keeps_fp32_gradients_close_to_the_fp32_ones(model):
@@ -70,6 +84,35 @@ def test_the_lm_head_runs_in_fp32_under_bf16(model):
             autocast_head = model.get_output_embeddings()(hidden)  # what the head would be without head_in_fp32
     assert torch.equal(kept, exact)
     assert autocast_head.dtype == torch.bfloat16 and not torch.equal(autocast_head.float(), exact)
+
+
+def _update_gradients(model, batch, precision: str):
+    from nearpolicy.ops.correction_presets import correction_spec
+    from nearpolicy.ops.losses import PolicyLossParams
+    from nearpolicy.training.update import UpdateSettings, policy_update
+
+    model = copy.deepcopy(model)
+    settings = UpdateSettings(1, 4, 1e9, "ppo_clip", PolicyLossParams(0.2, 0.28, 3.0), "token-mean", None,
+                              correction_spec("tis"), trainer_precision=precision)
+    recorder = _GradientRecorder(model)
+    advantages = torch.linspace(-1.0, 1.5, len(batch))
+    policy_update(model, recorder, batch, None, advantages, SAMPLING, settings)
+    return recorder.grads
+
+
+def test_the_update_backward_leaves_autocast_so_the_chunked_head_gradient_stays_fp32(model, monkeypatch):
+    """The chunked head (ops/chunked_head.py) recomputes its logits in the backward; run under autocast, that
+    recomputation would be bf16 (here 1.2 % off the full head's gradient when the whole update ran under it).
+    policy_update runs only the forwards under trainer_compute, so both heads give the same bf16 gradient."""
+    from nearpolicy.model import policy
+
+    batch = _batch(2)
+    monkeypatch.setattr(policy, "FULL_LOGITS_BUDGET", float("inf"))
+    full = _update_gradients(model, batch, "bf16")
+    monkeypatch.setattr(policy, "FULL_LOGITS_BUDGET", 0)
+    chunked = _update_gradients(model, batch, "bf16")
+    for name, g in full.items():
+        assert float((chunked[name] - g).norm()) <= 1e-4 * float(g.norm()), name
 
 
 def test_an_unknown_precision_is_refused():

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from nearpolicy.diagnosis.candidates import RolloutCandidate
 from nearpolicy.diagnosis.measure import DiagnoseContext, build_engine, sample_batch
 from nearpolicy.ops.diagnostics import mismatch_metrics
-from nearpolicy.model.policy import recompute_logprobs
+from nearpolicy.model.policy import recompute_logprobs, trainer_compute
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ def reference_samples(ctx: DiagnoseContext, reference: RolloutCandidate) -> Scor
         batch, _ = sample_batch(ctx, engine, sampling)
     finally:
         engine.close()
-    trainer = recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
+    with trainer_compute(ctx.trainer_precision):  # as measure_candidate scores the candidates
+        trainer = recompute_logprobs(ctx.model, batch, sampling, ctx.micro_batch_size)[0]
     completions = [ids[m].tolist() for ids, m in zip(batch.completion_ids, batch.mask)]
     prompts = [p for p in ctx.prompts for _ in range(ctx.group_size)]
     return ScoredSamples(prompts, completions, trainer, batch.mask)

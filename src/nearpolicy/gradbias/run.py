@@ -88,6 +88,8 @@ def _check_config(cfg: Config) -> None:
         raise ValueError("gradbias measures single-turn batches; episode.enabled = true is not supported")
     if cfg.algorithm.precision_alignment != "off":
         raise ValueError("gradbias measures the fp32 trainer; set algorithm.precision_alignment = 'off'")
+    if cfg.algorithm.trainer_precision != "fp32":
+        raise ValueError("gradbias measures the fp32 trainer's gradients; set algorithm.trainer_precision = 'fp32'")
 
 
 def _warm_session(cfg: Config, warm: Config, settings: GradbiasSettings, log):

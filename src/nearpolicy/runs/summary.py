@@ -49,13 +49,15 @@ def effective_correction(plan: dict) -> str | None:
 
 def describe_run(config: dict, plan: dict) -> dict[str, str]:
     """What the run is, from config.json and plan.json (dicts; empty when absent): the engine and its precision, the
-    model the eval runs, the policy update (advantage, loss, aggregation), the learning rate and its schedule, the
-    KL term (estimator x coefficient), the effective correction and the proximal policy. A field neither file
-    records is "not recorded"."""
+    model the eval runs, the policy update (advantage, loss, aggregation; the trainer's precision unless fp32), the
+    learning rate and its schedule, the KL term (estimator x coefficient), the effective correction and the proximal
+    policy. A field neither file records is "not recorded"."""
     section = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}  # noqa: E731
     a, c = section("algorithm"), section("correction")
     absent = "not recorded"
     update = " / ".join(str(a[k]) for k in ("advantage", "loss", "aggregation") if k in a) or absent
+    if a.get("trainer_precision", "fp32") != "fp32":  # its log-probs, and so mismatch/*, carry the bf16 error
+        update += f", trainer in {a['trainer_precision']}"
     kl = f"{a['kl_estimator']} x {_number(a.get('kl_coef', 0))}" if "kl_estimator" in a else absent
     if a.get("kl_coef") == 0:
         kl += " (off)"

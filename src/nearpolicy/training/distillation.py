@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from nearpolicy.batching import TokenBatch
-from nearpolicy.model.policy import completion_logits
+from nearpolicy.model.policy import completion_logits, head_in_fp32
 from nearpolicy.ops.distill import forward_kl_tokens, forward_kl_top_k_tokens, teacher_top_k
 from nearpolicy.ops.logprobs import token_logprobs_and_entropy
 from nearpolicy.types import SamplingParams
@@ -88,16 +88,17 @@ def forward_kl_pass(model: torch.nn.Module, micro: TokenBatch, sampling: Samplin
     on the same positions. config refuses the forward KL with sampling.top_k / top_p (the student's sampling
     distribution is 0 outside its kept set, so the divergence would be infinite)."""
     logits, valid = completion_logits(model, micro)
-    picked, entropy = token_logprobs_and_entropy(logits, micro.completion_ids[valid], sampling.temperature,
-                                                 sampling.top_k, sampling.top_p, entropy_grad)
-    with torch.no_grad():
-        teacher_logits = completion_logits(distill.teacher, micro)[0]
-    keep = mask.bool()[valid]  # the loss's positions among the logits' rows
-    if distill.top_k:
-        top, ids = teacher_top_k(teacher_logits, distill.top_k, sampling.temperature)
-        at_valid = forward_kl_top_k_tokens(logits, top, ids, keep, sampling.temperature)
-    else:
-        at_valid = forward_kl_tokens(logits, teacher_logits, keep, sampling.temperature)
+    with head_in_fp32():  # under trainer_precision bf16: the head's arithmetic and the teacher as phases scores it
+        picked, entropy = token_logprobs_and_entropy(logits, micro.completion_ids[valid], sampling.temperature,
+                                                     sampling.top_k, sampling.top_p, entropy_grad)
+        with torch.no_grad():
+            teacher_logits = completion_logits(distill.teacher, micro)[0]
+        keep = mask.bool()[valid]  # the loss's positions among the logits' rows
+        if distill.top_k:
+            top, ids = teacher_top_k(teacher_logits, distill.top_k, sampling.temperature)
+            at_valid = forward_kl_top_k_tokens(logits, top, ids, keep, sampling.temperature)
+        else:
+            at_valid = forward_kl_tokens(logits, teacher_logits, keep, sampling.temperature)
     return _scatter(picked, valid), _scatter(entropy, valid), _scatter(at_valid, valid)
 
 

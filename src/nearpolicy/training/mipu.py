@@ -30,7 +30,7 @@ import torch
 from nearpolicy.batching import TokenBatch
 from nearpolicy.config.schema import Config
 from nearpolicy.engines.base import RolloutEngine
-from nearpolicy.model.policy import recompute_logprobs
+from nearpolicy.model.policy import recompute_logprobs, trainer_compute
 from nearpolicy.ops.mipu import accepts, improvement_proxy
 from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.types import SamplingParams
@@ -75,6 +75,7 @@ class MipuSettings:
     margin: float = 0.0  # accept iff proxy >= margin (advantage units)
     max_tries: int = 1  # candidates per step (> 1: backtracking by halving)
     micro_batch_size: int = 8  # rows per trainer forward of the trainer-side proxy
+    trainer_precision: str = "fp32"  # as the update's log-probs it compares with (algorithm.trainer_precision)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class MipuSync:
             self.rollouts.publish(version)
             mu_new = engine_logprobs(self.rollouts.eval_engine(), batch, self.sampling)
             proxy = improvement_proxy(mu_new, behaviour, advantages, mask, s.level)
-            with torch.no_grad():
+            with torch.no_grad(), trainer_compute(s.trainer_precision):
                 pi_new = recompute_logprobs(self.model, batch, self.sampling, s.micro_batch_size)[0]
             trainer_proxy = improvement_proxy(pi_new, old_logprobs, advantages, mask, s.level)
             accepted = bool(accepts(proxy, s.margin))
@@ -175,5 +176,6 @@ def weight_sync(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Opti
     m = cfg.mipu
     if not m.enabled:
         return PlainSync(rollouts)
-    settings = MipuSettings(m.level, m.reference, m.margin, m.max_tries, cfg.algorithm.micro_batch_size)
+    settings = MipuSettings(m.level, m.reference, m.margin, m.max_tries, cfg.algorithm.micro_batch_size,
+                            cfg.algorithm.trainer_precision)
     return MipuSync(settings, model, optimizer, rollouts, sampling, ewma)

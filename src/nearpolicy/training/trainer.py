@@ -27,7 +27,6 @@ from nearpolicy.training.phases import (accuracy_figure, advantage_signal, apply
                                         eval_metrics, eval_samples, mismatch_diagnostics, progress_postfix, score_texts,
                                         step_metrics, turn_credit_advantages)
 from nearpolicy.model.ewma import build_proximal_policy, restore_proximal
-from nearpolicy.model.policy import trainer_compute
 from nearpolicy.rollouts.base import RolloutSource
 from nearpolicy.runs.lock import lock_run_folder, release_run_folder
 from nearpolicy.runs.start_checks import check_run_folder, last_eval_accuracy, note_engine_precision, set_aside_restarted_metrics
@@ -62,7 +61,8 @@ def update_settings(cfg: Config) -> UpdateSettings:
     constant = a.aggregation_constant or float(longest)
     return UpdateSettings(a.minibatches, a.micro_batch_size, a.max_grad_norm, a.loss, params, a.aggregation, constant,
                           c.spec(), c.center, c.adaptive_mix, c.proximal, a.epochs, a.observation_loss_coef,
-                          baseline_after_rejection=a.baseline_samples == "accepted" and c.spec().rejects)
+                          baseline_after_rejection=a.baseline_samples == "accepted" and c.spec().rejects,
+                          trainer_precision=a.trainer_precision)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
@@ -197,7 +197,7 @@ class Trainer:
         """epochs x minibatches optimizer steps at this step's learning rate (ops/schedule.py)."""
         lr = set_learning_rate(self.s.optimizer, self.cfg, self.state.step)
         self.sync.snapshot()  # MIPU: what a rejected candidate returns to (nothing otherwise)
-        with timer("update"), trainer_compute(self.cfg.algorithm.trainer_precision):
+        with timer("update"):
             update = policy_update(self.s.model, self.s.optimizer, batch, old.old_logprobs, advantages, self.sampling,
                                    self.settings, sample_keep=keep, ref_model=kl_reference(self.cfg, self.s),
                                    ewma_logprobs=old.ewma_logprobs, version=self.state.version, distill=self.s.distill,
@@ -236,7 +236,7 @@ class Trainer:
         with timer("score"):
             score_metrics = self.score(got.rollouts, got.problems)
         batch = collate(got.rollouts, self.s.pad_id, self.s.vocab_size, self.cfg.algorithm.shared_prompt)
-        with timer("recompute"), trainer_compute(self.cfg.algorithm.trainer_precision):
+        with timer("recompute"):
             old = recompute(self.s.model, batch, self.sampling, self.settings, self.ewma, self.state.version)
         rewards, adv, advantages, distill_metrics = step_advantages(self.cfg, self.s, got.rollouts, batch, self.sampling,
                                                                     got.problems, old.rejected)

@@ -20,7 +20,8 @@ from nearpolicy.ops.losses import ADVANTAGE_PROPORTIONAL_LOSSES, PolicyLossInput
 from nearpolicy.ops.masked import aggregate, aggregation_denominator, masked_sum
 from nearpolicy.ops.proximal import ais_lambda, discrepancy_center, proximal_logprobs
 from nearpolicy.ops.observation_loss import observation_loss
-from nearpolicy.model.policy import recompute_logprobs, sequence_logprobs, sequence_logprobs_with_raw
+from nearpolicy.model.policy import (recompute_logprobs, sequence_logprobs, sequence_logprobs_with_raw,
+                                     trainer_compute)
 from nearpolicy.training.distillation import UpdateDistill, forward_kl_pass
 from nearpolicy.types import SamplingParams
 
@@ -41,6 +42,7 @@ class UpdateSettings:
     epochs: int = 1  # passes over the batch (PPO epochs); each pass runs the mini-batches in the same order
     observation_loss_coef: float = 0.0  # ECHO: + coef x the observation tokens' cross-entropy (0 = off)
     baseline_after_rejection: bool = False  # old_logprobs come before the advantages (rejected_samples), never fused
+    trainer_precision: str = "fp32"  # the forwards' arithmetic (model/policy.trainer_compute); backwards leave autocast
 
     @property
     def optimizer_steps(self) -> int:
@@ -115,10 +117,11 @@ def recompute(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingParam
     EWMA proximal's (`ewma`: a model.ewma.EwmaPolicy, or None), and, with settings.baseline_after_rejection, the
     samples the correction rejects whole (rejected_samples at the trainer's `version`)."""
     old = Recomputed()
-    if not settings.fusable:
-        old = Recomputed(*recompute_logprobs(model, batch, sampling, settings.micro_batch_size))
-    if ewma is not None:
-        old = replace(old, ewma_logprobs=ewma.logprobs(batch, sampling, settings.micro_batch_size))
+    with trainer_compute(settings.trainer_precision):
+        if not settings.fusable:
+            old = Recomputed(*recompute_logprobs(model, batch, sampling, settings.micro_batch_size))
+        if ewma is not None:
+            old = replace(old, ewma_logprobs=ewma.logprobs(batch, sampling, settings.micro_batch_size))
     if settings.baseline_after_rejection:
         old = replace(old, rejected=rejected_samples(batch, old.old_logprobs, settings, version, old.ewma_logprobs))
     return old
@@ -183,8 +186,10 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
         for m0 in range(start, start + size, settings.micro_batch_size):
             part = slice(m0, min(m0 + settings.micro_batch_size, start + size))
             micro = batch.select(part)
-            logprobs, micro_entropy, echo, fkl = _forward(model, micro, sampling, entropy_grad, settings,
-                                                          batch.observation_mask, rows, inert[part], distill)
+            with trainer_compute(settings.trainer_precision):  # forwards only (the chunked head recomputes in backward)
+                logprobs, micro_entropy, echo, fkl = _forward(model, micro, sampling, entropy_grad, settings,
+                                                              batch.observation_mask, rows, inert[part], distill)
+                ref = None if ref_model is None else _reference_logprobs(ref_model, micro, sampling)
             current[part] = logprobs.detach()
             if fused:
                 old_logprobs[part], entropy[part] = logprobs.detach(), micro_entropy.detach()
@@ -193,7 +198,6 @@ def policy_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
                                      None if ewma_logprobs is None else ewma_logprobs[part], center)
             result = mismatch_correction(spec, logprobs, prox, rollout[part], loss_mask[part], micro.has_rollout,
                                          normalizer)
-            ref = None if ref_model is None else _reference_logprobs(ref_model, micro, sampling)
             loss, metrics = policy_loss(
                 settings.loss,
                 PolicyLossInput(logprobs, prox, advantages[part], loss_mask[part], tokens, result.weights, ref,
@@ -304,7 +308,7 @@ def _forward(model: torch.nn.Module, micro: TokenBatch, sampling: SamplingParams
 def _forward_skipping_inert(model: torch.nn.Module, micro: TokenBatch, sampling: SamplingParams,
                             inert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """sequence_logprobs of the micro-batch, the inert rows [b] bool run under no_grad (values equal to float32
-    rounding: the two row sets may be packed differently)."""
+    rounding: the two row sets may be packed differently; under trainer_precision bf16, to bf16's, about 1e-3 nats)."""
     active, idle = (~inert).nonzero().squeeze(1), inert.nonzero().squeeze(1)
     parts = [sequence_logprobs(model, micro.select(active), sampling)] if len(active) else []
     with torch.no_grad():
