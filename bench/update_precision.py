@@ -61,10 +61,10 @@ def one_arm(arm: str, threads: int, group_file: str) -> dict:
     batch = collate(rollouts, 0, group["vocab"])
     sampling = SamplingParams(temperature=1.0)
 
-    def micro_batch() -> None:
+    def micro_batch() -> None:  # as policy_update runs it: the forward under trainer_compute, the backward outside
         with trainer_compute(arm):
             logprobs, _ = sequence_logprobs(model, batch, sampling)
-            (logprobs.sum() / 100).backward()
+        (logprobs.sum() / 100).backward()
 
     micro_batch()
     start = time.perf_counter()
