@@ -130,6 +130,7 @@ def test_bf16_beside_the_aligned_trainer_is_refused():
         load_config(None, ["algorithm.trainer_precision=fp16"])
 
 
+@pytest.mark.slow
 def test_the_trainer_recomputes_in_bf16_so_an_exact_engine_shows_a_mismatch(tiny_model_dir, tmp_path):
     """The hf engine in fp32 holds the trainer's own weights, so at fp32 the mismatch is float32 rounding; with
     trainer_precision = bf16 the recompute (and so mismatch/*) runs under autocast and the mismatch appears."""
