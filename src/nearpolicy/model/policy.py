@@ -110,8 +110,10 @@ def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The logits [n, V] float32 of final hidden states [n, H], as model(...).logits has them: the output embedding,
     then the final-logit softcap where the config sets one (head_softcap, whose ValueError it raises)."""
     cap = head_softcap(model.config)
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)  # a bf16 model keeps its own dtype; under autocast the head stays fp32
     with head_in_fp32():
-        logits = model.get_output_embeddings()(hidden.float()).float()
+        logits = head(hidden if weight is None else hidden.to(weight.dtype)).float()
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
@@ -130,7 +132,7 @@ def _chunked(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, te
              entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     head = model.get_output_embeddings()
     with head_in_fp32():
-        return chunked_logprobs_and_entropy(hidden.float(), head.weight, head.bias, ids, temperature,
+        return chunked_logprobs_and_entropy(hidden.to(head.weight.dtype), head.weight, head.bias, ids, temperature,
                                             head_softcap(model.config), entropy_grad)
 
 
