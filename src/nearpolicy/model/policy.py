@@ -57,7 +57,8 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Sampl
 
 
 def trainer_compute(precision: str) -> contextlib.AbstractContextManager:
-    """The context the trainer's forward and backward run in (algorithm.trainer_precision): "fp32" none, "bf16"
+    """The context the trainer's forwards run in (algorithm.trainer_precision; policy_update runs the backward outside
+    it, since the chunked head recomputes its logits there): "fp32" none, "bf16"
     torch.autocast on the CPU in bfloat16, so the transformer body's matmuls and attention run in bf16 while the
     weights, their gradients and the residual stream stay fp32; the LM head and log-softmax leave autocast
     (head_in_fp32), since bf16 logits (8 mantissa bits) would move log-probs by about 0.1 nats at |z| ~ 20.
@@ -70,8 +71,8 @@ def trainer_compute(precision: str) -> contextlib.AbstractContextManager:
 
 
 def head_in_fp32() -> contextlib.AbstractContextManager:
-    """Autocast off: the LM head, log-softmax and entropy run in fp32 on fp32 hidden states whatever the caller's
-    trainer_compute (a no-op under fp32)."""
+    """Autocast off: the LM head, log-softmax and entropy run in the head's own dtype (fp32 for the trainer's model)
+    whatever the caller's trainer_compute (a no-op under fp32)."""
     return torch.autocast("cpu", enabled=False)
 
 
