@@ -59,11 +59,16 @@ def one_arm(arm: str, threads: int) -> float:
         logprobs, _ = sequence_logprobs(model, batch, sampling)
         (logprobs.sum() / 100).backward()
 
-    micro_batch()
+    return seconds_per_call(micro_batch)
+
+
+def seconds_per_call(call, repeats: int = 3) -> float:
+    """Mean seconds of `call()` over `repeats` calls after one warm-up call (also used by bench/update_precision.py)."""
+    call()
     start = time.perf_counter()
-    for _ in range(3):
-        micro_batch()
-    return (time.perf_counter() - start) / 3
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - start) / repeats
 
 
 def main() -> None:

@@ -16,10 +16,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from update_microbatch import seconds_per_call
 
 from nearpolicy.batching import collate
 from nearpolicy.doctor import cpu_model
@@ -66,11 +66,7 @@ def one_arm(arm: str, threads: int, group_file: str) -> dict:
             logprobs, _ = sequence_logprobs(model, batch, sampling)
         (logprobs.sum() / 100).backward()
 
-    micro_batch()
-    start = time.perf_counter()
-    for _ in range(3):
-        micro_batch()
-    seconds = (time.perf_counter() - start) / 3
+    seconds = seconds_per_call(micro_batch)
     with torch.no_grad(), trainer_compute(arm):
         logprobs, _ = sequence_logprobs(model, batch, sampling)
     return {"seconds": seconds, "logprobs": logprobs[batch.mask].tolist()}
