@@ -277,3 +277,22 @@ def test_task_examples_must_be_alternating_worked_turns(example, message, tmp_pa
         load_config(path)
     path.write_text('[task]\nexample = [{role = "user", content = "1 + 1 ="}, {role = "assistant", content = "2"}]\n')
     assert [m["role"] for m in load_config(path).task.example] == ["user", "assistant"]
+
+
+def test_a_runs_config_json_loads_as_a_config_with_set_layers_on_top(tmp_path):
+    import json
+
+    saved = load_config(None, ["run.steps=7", "algorithm.lr_schedule=cosine", "correction.preset=icepop"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(saved.model_dump(mode="json")))
+    assert load_config(path) == saved  # the whole config round-trips, preset fields included
+    again = load_config(path, ["run.name=NEW", "model.path=/m"])
+    assert (again.run.name, again.model.path, again.run.steps, again.correction.preset) == ("NEW", "/m", 7, "icepop")
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config\.json: a config must be a JSON object, not list"):
+        load_config(path)
+    path.write_text("{")
+    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="config file not found: .*nope.json"):
+        load_config(tmp_path / "nope.json")

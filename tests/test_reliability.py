@@ -550,6 +550,8 @@ def test_resume_command_names_the_program_the_user_can_type(monkeypatch, tmp_pat
     monkeypatch.setattr(signals.shutil, "which", lambda name: None)
     monkeypatch.setattr(signals.sys, "executable", "/opt/py/bin/python3")
     assert signals.resume_command("runs/a") == "/opt/py/bin/python3 -m nearpolicy train --resume runs/a"
+    monkeypatch.setattr(signals.sys, "argv", ["/x/pytest/__main__.py"])  # another program's -m: the plain name
+    assert signals.program_name() == "nearpolicy"
 
 
 def test_a_run_warns_when_the_machine_is_busy_at_start():

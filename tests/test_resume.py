@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,8 +150,10 @@ def test_a_finished_run_on_a_decaying_schedule_is_not_told_to_add_steps(tmp_path
     cfg = _cfg(tmp_path, "run.steps=2", "algorithm.lr_schedule=cosine")
     run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
     with pytest.raises(RunFinished, match=r"run\.steps = 2\); its cosine lr schedule ended at run\.steps, so it cannot "
-                                          r"be extended; to train further, start a new run from its exported checkpoint: nearpolicy export "
-                                          rf"{run}, then nearpolicy train --set model.path={run}/export/step_000002"):
+                                          r"be extended; to train further, start a new run with its config from its "
+                                          rf"exported checkpoint: nearpolicy export {run}, then nearpolicy train "
+                                          rf"{run}/config.json --set model.path={run}/export/step_000002 --set "
+                                          r"run.name=NEW$"):
         check_run_folder(cfg, resume=True)
 
 
@@ -313,9 +318,10 @@ def test_plain_retry_after_an_interrupted_start_then_resume_by_run_dir_through_t
 
     finished = _train(["--resume", str(run)], tmp_path)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert finished.stderr.strip().splitlines()[-1] == (
+    program = "nearpolicy" if shutil.which("nearpolicy") else f"{shlex.quote(sys.executable)} -m nearpolicy"
+    assert finished.stderr.strip().splitlines()[-1] == (  # the program as the user typed it (python -m here)
         f"nothing to do: {run} is finished (its last checkpoint step_000003 is at step 3, run.steps = 3); to train "
-        f"further, resume with more steps: nearpolicy train --resume {run} --set run.steps=N (N > 3)")
+        f"further, resume with more steps: {program} train --resume {run} --set run.steps=N (N > 3)")
     refused = _train(["--resume", str(run), "--set", "run.steps=4", "--set", "algorithm.lr=1e-3"], tmp_path)
     assert refused.returncode == 2 and "differs from" in refused.stderr and "in: algorithm.lr (only" in refused.stderr
     assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]  # neither touched the run

@@ -138,9 +138,11 @@ def test_the_trainer_recomputes_in_bf16_so_an_exact_engine_shows_a_mismatch(tiny
 
     k3 = {}
     for precision in ("fp32", "bf16"):
+        said = []
         trainer, _ = tiny_trainer(tiny_model_dir, tmp_path, precision, [f"algorithm.trainer_precision={precision}",
                                                                        "engine.hf_dtype=fp32"],
-                                  lambda task: task, lambda engine: engine)
+                                  lambda task: task, lambda engine: engine, log=said.append)
+        assert [line for line in said if f"parameters, trainer in {precision}, " in line]  # the start-up line says it
         try:
             row = step(trainer)
         finally:

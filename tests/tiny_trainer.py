@@ -12,9 +12,9 @@ SETTINGS = ["run.steps=3", "run.threads=1", "algorithm.prompts_per_step=2", "alg
             "logging.progress=false", "model.max_context=256", "engine.kind=hf"]
 
 
-def tiny_trainer(model_dir, out, name, sets, wrap_task, wrap_engine, resume=False):
+def tiny_trainer(model_dir, out, name, sets, wrap_task, wrap_engine, resume=False, log=lambda _: None):
     """(Trainer, its engine as `wrap_engine` wrapped it) of run `name` in `out`: SETTINGS, then `sets` (a list of
-    key=value overrides); the session's task is `wrap_task(task)`."""
+    key=value overrides); the session's task is `wrap_task(task)`; `log` gets the start-up lines."""
     from nearpolicy.training import assemble as setup
     from nearpolicy.training.trainer import open_trainer
 
@@ -28,7 +28,7 @@ def tiny_trainer(model_dir, out, name, sets, wrap_task, wrap_engine, resume=Fals
 
     cfg = load_config(None, [f"model.path='{model_dir}'", f"run.output_dir='{out}'", f"run.name={name}", *SETTINGS,
                              *sets])
-    trainer = open_trainer(cfg, resume=resume, log=lambda _: None, build=build)
+    trainer = open_trainer(cfg, resume=resume, log=log, build=build)
     return trainer, engines[0]
 
 

@@ -41,8 +41,10 @@ def _train_config(args: argparse.Namespace):
     try:
         if config is not None and config.is_dir():
             if args.resume is None:
+                from nearpolicy.signals import resume_command
+
                 raise ConfigError(f"{config} is a folder, not a TOML config; to continue the run in it: "
-                                  f"nearpolicy train --resume {config}")
+                                  f"{resume_command(config)}")
             if run_dir is not None:
                 raise ConfigError(f"two run folders given: {config} and --resume {run_dir}")
             config, run_dir = None, config

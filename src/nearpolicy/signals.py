@@ -18,18 +18,23 @@ from pathlib import Path
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def resume_command(run_dir: Path | str) -> str:
-    """The command that continues `run_dir`, as the user can type it (shell-quoted): `nearpolicy train --resume
-    RUN_DIR` when `nearpolicy` is on PATH, else the path the program was started by (e.g. `.venv/bin/nearpolicy`),
-    or `PYTHON -m nearpolicy` for a run started with `python -m nearpolicy`."""
+def program_name() -> str:
+    """How the user can type this program (shell-quoted): `nearpolicy` when it is on PATH, else the path the program
+    was started by (e.g. `.venv/bin/nearpolicy`, relative to the working directory when inside it), or `PYTHON -m
+    nearpolicy` for a run started with `python -m nearpolicy`. Printed advice starts its commands with it."""
     started = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("nearpolicy")
-    program = "nearpolicy"
     if shutil.which("nearpolicy") is None:
         if started.name == "nearpolicy":
-            program = shlex.quote(os.path.relpath(started) if started.is_relative_to(Path.cwd()) else str(started))
-        elif started.name == "__main__.py":
-            program = f"{shlex.quote(sys.executable)} -m nearpolicy"
-    return f"{program} train --resume {shlex.quote(str(run_dir))}"
+            return shlex.quote(os.path.relpath(started) if started.is_relative_to(Path.cwd()) else str(started))
+        if started.name == "__main__.py" and started.parent.name == "nearpolicy":  # not `python -m pytest`
+            return f"{shlex.quote(sys.executable)} -m nearpolicy"
+    return "nearpolicy"
+
+
+def resume_command(run_dir: Path | str) -> str:
+    """The command that continues `run_dir`, as the user can type it: `PROGRAM train --resume RUN_DIR` (program_name,
+    the folder shell-quoted)."""
+    return f"{program_name()} train --resume {shlex.quote(str(run_dir))}"
 
 
 def exit_description(exitcode: int | None) -> str:

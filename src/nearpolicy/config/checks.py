@@ -4,6 +4,7 @@ lists themselves live beside the code that uses them (ops/ registries and tuples
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from dataclasses import dataclass
@@ -281,6 +282,25 @@ def drop_replaced_task_options(section: dict | None, default, overrides: list[tu
     if any(keys == ["task", key] and value != section.get(key, getattr(default, key))
            for _, keys, value in overrides for key in ("kind", "name")):
         del section["options"]
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config file as a dict: TOML, or JSON for a `.json` file (a run's config.json, so that a new run can start
+    from a finished run's whole config). Raises ConfigError naming the file when it is missing, unreadable, not
+    valid or (JSON) not an object."""
+    if Path(path).suffix.lower() != ".json":
+        return read_toml(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config must be a JSON object, not {type(data).__name__}")
+    return data
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pydantic import Field, StrictBool, ValidationError, field_validator, model_
 
 from nearpolicy.config.checks import (ConfigError, aggregation_fits_loss, apply_overrides, betas_in_range,
                                       check_batch_divides, check_sections_agree, check_task,
-                                      describe_errors, parse_override, read_toml, registered)
+                                      describe_errors, parse_override, read_config_file, registered)
 from nearpolicy.config.correction import CorrectionConfig
 from nearpolicy.config.engine import EngineConfig
 from nearpolicy.config.lora import LoraConfig, check_lora
@@ -352,13 +352,14 @@ class Config(Section):
 
 
 def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML file (or the defaults when `path` is None), apply `--set` overrides, validate.
+    """Read a TOML file (a `.json` file: a run's config.json; the defaults when `path` is None), apply `--set`
+    overrides, validate.
 
     Layers: defaults < file < `--set`. A layer that changes correction.preset takes the new preset's own fields
     (level, action, lower, upper, mode, veto, mix, self_normalize) except those it sets itself; a lower layer's
     values for them are dropped; likewise a layer that changes task.kind or task.name drops a lower layer's
     task.options. Raises ConfigError naming the offending key."""
-    return config_from_data(read_toml(path) if path is not None else {}, overrides, path)
+    return config_from_data(read_config_file(path) if path is not None else {}, overrides, path)
 
 
 def config_from_data(data: dict[str, Any], overrides: list[str] = (), where: Path | None = None) -> Config:

@@ -65,4 +65,5 @@ def release_run_folder(run_dir: Path) -> None:
 
 def _in_use(run_dir: Path, holder: str) -> str:
     return (f"{run_dir} is in use by a running nearpolicy process (pid {holder}): wait for it to end or stop it "
-            "(Ctrl-C checkpoints it; then --resume continues it), or set a new run.name")
+            f"(`kill -TERM {holder}`, or Ctrl-C in its terminal, checkpoints it; then --resume continues it), or set a "
+            "new run.name")

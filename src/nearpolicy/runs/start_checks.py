@@ -16,7 +16,7 @@ from nearpolicy.config.schema import Config, ConfigError, config_from_data, pars
 from nearpolicy.model.load import DEFAULT_SPEC
 from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_kind,
                                     is_finite_number, list_checkpoints, read_json_object, read_metrics)
-from nearpolicy.signals import resume_command
+from nearpolicy.signals import program_name, resume_command
 from nearpolicy.tasks.identity import data_changes, data_identity
 
 # May change on --resume: none of them changes what a step computes.
@@ -194,7 +194,7 @@ def check_not_weights_only(run_dir: Path, checkpoints: list[Path], kinds: list[t
         older = f", or delete it to resume from {usable[-2][0].name}" if len(usable) > 1 else ""
         raise RunExistsError(
             f"{newest} holds the weights only (the run had logging.final_weights_only = true), no optimizer "
-            f"state, so the run cannot continue from it: export it (`nearpolicy export {run_dir}`) and start a new "
+            f"state, so the run cannot continue from it: export it (`{program_name()} export {run_dir}`) and start a new "
             f"run with model.path set to the exported folder{older}")
 
 
@@ -286,14 +286,15 @@ def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path
 def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = False) -> str:
     """How to train a finished run further: --resume with more steps under a constant lr, else a new run from its
     export (a decaying schedule ended at run.steps; a weights-only final checkpoint cannot be resumed)."""
-    folder = shlex.quote(str(run_dir))
+    folder, program = shlex.quote(str(run_dir)), program_name()
     if lr_schedule == "constant" and not weights_only:
-        return (f"to train further, resume with more steps: nearpolicy train --resume {folder} --set run.steps=N "
+        return (f"to train further, resume with more steps: {program} train --resume {folder} --set run.steps=N "
                 f"(N > {step})")
     why = ("its last checkpoint holds the weights only, so it cannot be resumed" if weights_only else
            f"its {lr_schedule} lr schedule ended at run.steps, so it cannot be extended")
-    return (f"{why}; to train further, start a new run from its exported checkpoint: nearpolicy export {folder}, then "
-            f"nearpolicy train --set model.path={shlex.quote(f'{run_dir}/export/step_{step:06d}')} --set run.name=NEW")
+    return (f"{why}; to train further, start a new run with its config from its exported checkpoint: {program} export "
+            f"{folder}, then {program} train {shlex.quote(str(Path(run_dir) / 'config.json'))} --set "
+            f"model.path={shlex.quote(f'{run_dir}/export/step_{step:06d}')} --set run.name=NEW")
 
 
 def _finished_run(run_dir: Path, kinds: list[tuple[int, bool] | None], steps_now: int) -> str | None:
@@ -313,8 +314,8 @@ def _finished_run(run_dir: Path, kinds: list[tuple[int, bool] | None], steps_now
         return None
     schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
     return (f"{run_dir} already holds a finished run (it trained all of its run.steps = {steps}); set a new run.name "
-            f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run_dir}; "
-            f"its model: nearpolicy export {run_dir}), or "
+            f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: {program_name()} report "
+            f"{run_dir}; its model: {program_name()} export {run_dir}), or "
             f"{_further(run_dir, usable[-1][0], schedule or 'constant', usable[-1][1])}")
 
 

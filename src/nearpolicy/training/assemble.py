@@ -125,8 +125,8 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     teacher = _load_teacher(cfg, tokenizer, log)
     plan = _plan(cfg, resolved, model, task, stop_ids)
     log(f"correction: {plan['correction_effective']}")
-    log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, "
-        f"{plan['samples_per_step']} samples/step, run folder {run_dir}")
+    log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, trainer in "
+        f"{a.trainer_precision}, {plan['samples_per_step']} samples/step, run folder {run_dir}")
     session = Session(cfg, model, tokenizer, task, optimizer, template, engine_dir, stop_ids, plan, ref_model, teacher,
                       distill=update_distill(cfg, optimizer, teacher), lora=lora)
     # every prompt must fit the context before any engine starts (its startup probe would fail less clearly)
