@@ -267,6 +267,28 @@ def test_known_offsets_give_known_k3_and_a_hotter_sampler_is_caught(tiny, tiny_m
     assert any("temperature" in reason for reason in report["reasons"])
 
 
+@pytest.mark.slow  # two in-process diagnoses of the tiny model (about 20 s)
+def test_the_reference_scores_at_the_runs_trainer_precision(tiny, tiny_model_dir, tmp_path):
+    """An fp32 server holding the reference's own weights: at trainer_precision = fp32 the mismatch is float rounding;
+    at bf16 the reference's body runs under autocast, as the run's trainer would, and the bf16 error shows in k3."""
+    from nearpolicy.config.schema import load_config
+    from nearpolicy.diagnosis.endpoint import EndpointSettings, run_endpoint_diagnosis
+    from nearpolicy.diagnosis.run import DiagnoseSettings
+
+    model, tokenizer = tiny
+    diff = {}
+    with http_stub(StubEngine(model, tokenizer)) as (url, _):
+        for precision in ("fp32", "bf16"):
+            cfg = load_config(None, [f"model.path='{tiny_model_dir}'", "sampling.max_new_tokens=12", "run.threads=1",
+                                     "logging.progress=false", f"algorithm.trainer_precision={precision}"])
+            diagnose = DiagnoseSettings(prompts=2, group_size=4, out=str(tmp_path / precision), progress=False)
+            report, _ = run_endpoint_diagnosis(cfg, EndpointSettings(url, top_logprobs=3, diagnose=diagnose),
+                                               log=lambda _: None)
+            diff[precision] = report["endpoint_row"]["abs_logprob_diff_p90"]  # |reference - server|, nats
+    assert diff["fp32"] < 1e-5  # measured 1.9e-6 fp32, 0.048 bf16
+    assert diff["bf16"] > 1e-3
+
+
 def _mutated(engine: StubEngine, mutate):
     """`engine`'s handler with each /v1/completions answer's choices[0].logprobs passed through `mutate` first."""
 

@@ -151,3 +151,24 @@ def test_the_trainer_recomputes_in_bf16_so_an_exact_engine_shows_a_mismatch(tiny
         k3[precision] = row["mismatch/mean_abs_logprob_diff"]
     assert k3["fp32"] < 1e-4
     assert k3["bf16"] > 3 * max(k3["fp32"], 1e-5)
+
+
+@pytest.mark.slow  # two in-process diagnose measurements of the tiny model
+def test_diagnose_scores_a_candidate_with_the_trainer_at_the_runs_precision(tiny_model_dir, tmp_path):
+    """The hf engine in fp32 holds the trainer's own weights: diagnose's k3 is float rounding at trainer_precision =
+    fp32 and shows the bf16 body's error at bf16 (diagnosis/measure.py scores under trainer_compute)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nearpolicy.diagnosis.candidates import parse_candidate
+    from nearpolicy.diagnosis.measure import DiagnoseContext, measure_candidate
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    diff = {}
+    for precision in ("fp32", "bf16"):
+        ctx = DiagnoseContext(model=model, tokenizer=tokenizer, template_gguf=None, prompts=[[5, 6, 7], [8, 9]],
+                              group_size=2, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True),
+                              workdir=tmp_path / precision, max_context=64, threads=1, trainer_precision=precision)
+        diff[precision] = measure_candidate(ctx, parse_candidate("hf:fp32")).metrics["abs_logprob_diff_p90"]
+    assert diff["fp32"] < 1e-5  # measured 2.8e-6 fp32, 0.035 bf16
+    assert diff["bf16"] > 1e-3

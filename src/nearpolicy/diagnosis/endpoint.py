@@ -36,7 +36,7 @@ from nearpolicy.diagnosis.endpoint_tokens import ResolvedSample, TokenIdentity, 
 from nearpolicy.diagnosis.measure import DiagnoseContext, summarise
 from nearpolicy.diagnosis.run import DiagnoseSettings
 from nearpolicy.model.load import pad_token_id, stop_token_ids
-from nearpolicy.model.policy import completion_logits, recompute_logprobs
+from nearpolicy.model.policy import completion_logits, recompute_logprobs, trainer_compute
 from nearpolicy.ops.distribution_checks import TEMPERATURE_GRID, support_replay, temperature_fit_stats, topk_bounds
 from nearpolicy.ops.logprobs import token_logprobs_and_entropy, transformed_log_softmax
 from nearpolicy.types import Rollout, SamplingParams
@@ -231,7 +231,8 @@ def _collate(ctx: DiagnoseContext, measured: list[tuple[ResolvedSample, list[int
 
 @torch.no_grad()
 def score(ctx: DiagnoseContext, batch, top_ids: torch.Tensor, top_lp: torch.Tensor, mode: str, k: int) -> dict:
-    """The reference on the batch's ids, micro-batch by micro-batch: its log-probs [B, T] (float32, nats; 0 at
+    """The reference on the batch's ids, micro-batch by micro-batch (its transformer body under
+    algorithm.trainer_precision, as the run's trainer would score them): its log-probs [B, T] (float32, nats; 0 at
     padding) under the mode's transform, and per valid position (flattened, [n]) the top-k bounds, the support
     replay of the claimed sampler, plus the temperature fit's summed statistics [G, 3] (ops/distribution_checks)."""
     claimed = ctx.sampling
@@ -243,7 +244,8 @@ def score(ctx: DiagnoseContext, batch, top_ids: torch.Tensor, top_lp: torch.Tens
     for start in range(0, len(batch), ctx.micro_batch_size):
         rows = slice(start, start + ctx.micro_batch_size)
         sub = batch.select(rows)
-        logits, valid = completion_logits(ctx.model, sub)
+        with trainer_compute(ctx.trainer_precision):  # the reference as the run's trainer computes it
+            logits, valid = completion_logits(ctx.model, sub)
         ids = sub.completion_ids[valid]
         picked, _ = token_logprobs_and_entropy(logits, ids, transform.temperature, transform.top_k, transform.top_p)
         logprobs[rows] = torch.zeros(valid.shape).masked_scatter(valid, picked.float())
