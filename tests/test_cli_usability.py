@@ -117,7 +117,7 @@ def test_resume_run_dir_routes_and_dry_run_says_what_the_resume_does(tmp_path, c
     out, err = capsys.readouterr()
     assert "# refused: --resume with a config that differs" in out and "algorithm.lr" in err
     assert main(["train", str(run), "--dry-run"]) == 2
-    assert f"{run} is a folder, not a TOML config; to continue the run in it: nearpolicy train --resume {run}" in \
+    assert f"{run} is a folder, not a config file; to continue the run in it: nearpolicy train --resume {run}" in \
         capsys.readouterr().err
     assert main(["train", "--dry-run", "--set", f"run.output_dir='{tmp_path}'", "--set", "run.name=done"]) == 2
     assert "already holds a finished run (it trained all of its run.steps = 2); set a new run.name" in \

@@ -291,6 +291,9 @@ def test_a_runs_config_json_loads_as_a_config_with_set_layers_on_top(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"config\.json: a config must be a JSON object, not list"):
         load_config(path)
+    path.write_text('{"run": {"steps": 5}, "run": {"name": "x"}}')  # TOML refuses a repeated table too
+    with pytest.raises(ConfigError, match=r"config\.json: key 'run' appears twice"):
+        load_config(path)
     path.write_text("{")
     with pytest.raises(ConfigError, match=r"config\.json: not valid JSON"):
         load_config(path)

@@ -544,11 +544,22 @@ def test_resume_command_names_the_program_the_user_can_type(monkeypatch, tmp_pat
     assert signals.resume_command("runs/a") == "/opt/np/bin/nearpolicy train --resume runs/a"
     monkeypatch.setattr(signals.shutil, "which", lambda name: "/opt/np/bin/nearpolicy")
     assert signals.resume_command("runs/a") == "nearpolicy train --resume runs/a"
-    monkeypatch.setattr(signals.sys, "argv", ["/x/nearpolicy/__main__.py"])  # python -m nearpolicy
-    assert signals.resume_command("runs/a") == "nearpolicy train --resume runs/a"
     assert signals.resume_command("runs/my run") == "nearpolicy train --resume 'runs/my run'"
+    monkeypatch.setattr(signals.sys, "argv", ["/other/bin/nearpolicy"])  # PATH's nearpolicy is another install
+    assert signals.program_name() == "/other/bin/nearpolicy"
+    monkeypatch.setattr(signals.sys, "argv", ["nearpolicy"])  # started from its own folder (pathlib drops ./)
+    assert signals.program_name() == "./nearpolicy"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "np").symlink_to("/opt/np/bin/nearpolicy")  # a symlink of another name is kept
+    monkeypatch.setattr(signals.sys, "argv", [str(tmp_path / "bin" / "np")])
     monkeypatch.setattr(signals.shutil, "which", lambda name: None)
-    monkeypatch.setattr(signals.sys, "executable", "/opt/py/bin/python3")
+    assert signals.program_name() == "bin/np"
+    monkeypatch.setattr(signals.sys, "argv", ["/x/nearpolicy/__main__.py"])  # python -m nearpolicy
+    monkeypatch.setattr(signals.sys, "executable", "/opt/np/bin/python3")
+    assert signals.program_name() == "/opt/np/bin/python3 -m nearpolicy"
+    monkeypatch.setattr(signals.shutil, "which", lambda name: "/opt/np/bin/nearpolicy")  # beside this interpreter
+    assert signals.program_name() == "nearpolicy"
+    monkeypatch.setattr(signals.sys, "executable", "/opt/py/bin/python3")  # PATH's is another environment's
     assert signals.resume_command("runs/a") == "/opt/py/bin/python3 -m nearpolicy train --resume runs/a"
     monkeypatch.setattr(signals.sys, "argv", ["/x/pytest/__main__.py"])  # another program's -m: the plain name
     assert signals.program_name() == "nearpolicy"

@@ -150,10 +150,11 @@ def test_a_finished_run_on_a_decaying_schedule_is_not_told_to_add_steps(tmp_path
     cfg = _cfg(tmp_path, "run.steps=2", "algorithm.lr_schedule=cosine")
     run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
     with pytest.raises(RunFinished, match=r"run\.steps = 2\); its cosine lr schedule ended at run\.steps, so it cannot "
-                                          r"be extended; to train further, start a new run with its config from its "
+                                          r"be extended; to train further, start a new run \(fresh optimizer and lr schedule\) with its config from its "
                                           rf"exported checkpoint: nearpolicy export {run}, then nearpolicy train "
                                           rf"{run}/config.json --set model.path={run}/export/step_000002 --set "
-                                          r"run.name=NEW$"):
+                                          r"run.name=NEW --set run.seed=S \(another seed draws other training "
+                                          r"problems; the held-out set stays\)$"):
         check_run_folder(cfg, resume=True)
 
 
@@ -381,3 +382,37 @@ def test_a_plain_start_calls_a_run_finished_where_resume_has_nothing_to_do(tmp_p
         check_run_folder(cfg, resume=False)
     with pytest.raises(RunExistsError, match=r"already holds a run \(last checkpoint step_000003\); continue it"):
         check_run_folder(_cfg(tmp_path, "run.steps=5"), resume=False)
+
+
+def test_a_runs_config_json_starts_a_new_run_beside_it_from_any_folder(tmp_path, monkeypatch, capsys):
+    """`nearpolicy train RUN/config.json` (the 'train further' advice): the new run lands beside RUN whatever the
+    current folder, its relative paths are read where RUN started (plan.json), and `--resume RUN/config.json` is
+    `--resume RUN`, never a new run in the current folder."""
+    import argparse
+
+    from nearpolicy.cli import _train_config
+    from nearpolicy.tasks.identity import data_identity
+
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir(), elsewhere.mkdir()
+    (started / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
+                                               for i in range(8)))
+    monkeypatch.chdir(started)
+    cfg = load_config(None, ["run.output_dir='runs'", "run.name=first", "task.kind=jsonl", "task.path='data.jsonl'",
+                             "algorithm.lr_schedule=cosine", "run.steps=2"])
+    run = started / _folder(cfg, logged=[0, 1, 2], checkpoints=[2])
+    write_json(run / "plan.json", {"data": data_identity("jsonl", cfg.task.path), "working_dir": str(started)})
+    monkeypatch.chdir(elsewhere)
+    args = lambda *sets, resume=None: argparse.Namespace(config=run / "config.json", resume=resume,  # noqa
+                                                         set=list(sets))
+    new, resume = _train_config(args("run.name=NEW", "run.seed=3"))
+    assert not resume and new.run.output_dir == started / "runs" and new.run.name == "NEW" and new.run.seed == 3
+    assert new.task.path == started / "data.jsonl" and new.algorithm.lr_schedule == "cosine"
+    assert check_run_folder(new, resume=False).said == f"new run in {started / 'runs' / 'NEW'}"
+    again, resume = _train_config(args(resume=True))  # --resume RUN/config.json: the run itself, not ./runs/first
+    assert resume and again.run.output_dir == started / "runs" and again.run.name == "first"
+    with pytest.raises(RunFinished, match="nothing to do"):
+        check_run_folder(again, resume=True)
+    (run / "plan.json").unlink()  # any other JSON file is an ordinary config file
+    plain, _ = _train_config(args())
+    assert plain.run.output_dir == Path("runs")

@@ -28,9 +28,11 @@ def _load_config(args: argparse.Namespace):
 def _train_config(args: argparse.Namespace):
     """(the validated config, resume?) of `train`'s arguments, or None after printing the error (exit code 2).
     `--resume RUN_DIR` (or `train RUN_DIR --resume`) reads the run's own config.json, --set on top; `--resume`
-    alone resumes the run folder CONFIG + --set names; `--resume CONFIG.toml` is CONFIG with --resume."""
+    alone resumes the run folder CONFIG + --set names; `--resume CONFIG.toml` is CONFIG with --resume. A run folder's
+    own config.json as CONFIG starts a new run from that run's config (runs.start_checks.config_from_run); with
+    --resume it is --resume of its folder."""
     from nearpolicy.config.schema import ConfigError, load_config
-    from nearpolicy.runs.start_checks import stored_config
+    from nearpolicy.runs.start_checks import config_from_run, is_run_config, stored_config
 
     config, run_dir = args.config, None
     if isinstance(args.resume, str):
@@ -43,11 +45,15 @@ def _train_config(args: argparse.Namespace):
             if args.resume is None:
                 from nearpolicy.signals import resume_command
 
-                raise ConfigError(f"{config} is a folder, not a TOML config; to continue the run in it: "
+                raise ConfigError(f"{config} is a folder, not a config file; to continue the run in it: "
                                   f"{resume_command(config)}")
             if run_dir is not None:
                 raise ConfigError(f"two run folders given: {config} and --resume {run_dir}")
             config, run_dir = None, config
+        if config is not None and run_dir is None and is_run_config(config):  # a run folder's own config.json
+            if args.resume is None:
+                return config_from_run(config.parent, args.set or []), False  # a new run beside it, its paths kept
+            config, run_dir = None, config.parent  # --resume RUN/config.json is --resume RUN
         if run_dir is None:
             return load_config(config, args.set or []), args.resume is not None
         if config is not None:

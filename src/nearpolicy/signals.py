@@ -19,16 +19,23 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def program_name() -> str:
-    """How the user can type this program (shell-quoted): `nearpolicy` when it is on PATH, else the path the program
-    was started by (e.g. `.venv/bin/nearpolicy`, relative to the working directory when inside it), or `PYTHON -m
-    nearpolicy` for a run started with `python -m nearpolicy`. Printed advice starts its commands with it."""
+    """How the user can type this program again (shell-quoted), so that printed advice can be pasted: `nearpolicy`
+    when that name on PATH is this very program; else the path it was started by (relative to the working directory
+    when inside it, with a `./` where it has no slash; a symlink of another name is kept); for `python -m nearpolicy`,
+    `PYTHON -m nearpolicy` unless PATH's nearpolicy sits beside this interpreter. `nearpolicy` when the process is
+    not the nearpolicy program (a library user, a test runner)."""
     started = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("nearpolicy")
-    if shutil.which("nearpolicy") is None:
-        if started.name == "nearpolicy":
-            return shlex.quote(os.path.relpath(started) if started.is_relative_to(Path.cwd()) else str(started))
-        if started.name == "__main__.py" and started.parent.name == "nearpolicy":  # not `python -m pytest`
-            return f"{shlex.quote(sys.executable)} -m nearpolicy"
-    return "nearpolicy"
+    on_path = shutil.which("nearpolicy")
+    if started.name == "__main__.py" and started.parent.name == "nearpolicy":  # python -m nearpolicy
+        beside = on_path is not None and Path(on_path).parent == Path(sys.executable).parent
+        return "nearpolicy" if beside else f"{shlex.quote(sys.executable)} -m nearpolicy"
+    if "nearpolicy" not in (started.name, started.resolve().name):
+        return "nearpolicy"
+    if on_path is not None and Path(on_path).resolve() == started.resolve():
+        return "nearpolicy"
+    absolute = Path(os.path.abspath(started))  # symlinks kept: the name the user typed
+    text = os.path.relpath(absolute) if absolute.is_relative_to(Path.cwd()) else str(absolute)
+    return shlex.quote(text if "/" in text else f"./{text}")
 
 
 def resume_command(run_dir: Path | str) -> str:

@@ -291,16 +291,28 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if Path(path).suffix.lower() != ".json":
         return read_toml(path)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config must be a JSON object, not {type(data).__name__}")
     return data
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a repeated key is an error, as TOML has it (json.loads keeps the last)."""
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ConfigError(f"key {key!r} appears twice")
+        seen[key] = value
+    return seen
 
 
 def read_toml(path: Path) -> dict[str, Any]:

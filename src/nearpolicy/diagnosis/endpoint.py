@@ -231,10 +231,11 @@ def _collate(ctx: DiagnoseContext, measured: list[tuple[ResolvedSample, list[int
 
 @torch.no_grad()
 def score(ctx: DiagnoseContext, batch, top_ids: torch.Tensor, top_lp: torch.Tensor, mode: str, k: int) -> dict:
-    """The reference on the batch's ids, micro-batch by micro-batch (its transformer body under
-    algorithm.trainer_precision, as the run's trainer would score them): its log-probs [B, T] (float32, nats; 0 at
-    padding) under the mode's transform, and per valid position (flattened, [n]) the top-k bounds, the support
-    replay of the claimed sampler, plus the temperature fit's summed statistics [G, 3] (ops/distribution_checks)."""
+    """The reference on the batch's ids, micro-batch by micro-batch: its log-probs [B, T] (float32, nats; 0 at
+    padding; the transformer body under algorithm.trainer_precision, as the run's trainer would score them) under the
+    mode's transform; and, from the fp32 model (a second forward when the trainer runs bf16), per valid position
+    (flattened, [n]) the top-k bounds and the support replay of the claimed sampler, plus the temperature fit's summed
+    statistics [G, 3] (ops/distribution_checks)."""
     claimed = ctx.sampling
     transform = claimed if mode == "processed" else SamplingParams(1.0, 1.0, 0, claimed.max_new_tokens)
     logprobs = torch.zeros(batch.completion_ids.shape)
@@ -244,11 +245,13 @@ def score(ctx: DiagnoseContext, batch, top_ids: torch.Tensor, top_lp: torch.Tens
     for start in range(0, len(batch), ctx.micro_batch_size):
         rows = slice(start, start + ctx.micro_batch_size)
         sub = batch.select(rows)
-        with trainer_compute(ctx.trainer_precision):  # the reference as the run's trainer computes it
+        with trainer_compute(ctx.trainer_precision):  # the mismatch: the reference as the run's trainer computes it
             logits, valid = completion_logits(ctx.model, sub)
         ids = sub.completion_ids[valid]
         picked, _ = token_logprobs_and_entropy(logits, ids, transform.temperature, transform.top_k, transform.top_p)
         logprobs[rows] = torch.zeros(valid.shape).masked_scatter(valid, picked.float())
+        if ctx.trainer_precision != "fp32":  # the sampler checks judge the server against the exact (fp32) model
+            logits = completion_logits(ctx.model, sub)[0]
         ref = transformed_log_softmax(logits, transform.temperature, transform.top_k, transform.top_p, always_keep=ids)
         bounds.append(topk_bounds(ref, top_ids[rows][valid], top_lp[rows][valid], k)
                       | {"defined": defined[rows][valid]})

@@ -2,7 +2,8 @@
 rest of its process, so a second start, resume or dry run in another process is refused while the first runs
 (without it, a second start took over the folder of a live run that had written no checkpoint yet: it set the live
 run's metrics aside and rewrote its config and engine file, and both then wrote one metrics.jsonl). The kernel drops
-the lock when the process ends, however it ends, so a crashed run never leaves a stale lock. Within one process the
+the lock when the process ends, however it ends, so a crashed run never leaves a stale lock; a run that exits
+normally also empties the file, so only a killed run leaves its dead pid in it. Within one process the
 lock is re-entrant (a library user may open a folder's trainer again, e.g. to resume it)."""
 
 from __future__ import annotations
@@ -17,7 +18,19 @@ from nearpolicy.runs.folder import RunExistsError
 
 RUN_LOCK = ".nearpolicy.lock"
 _HELD: dict[Path, IO] = {}  # run folder (resolved) -> the open lock file this process holds
-atexit.register(lambda: [handle.close() for handle in _HELD.values()])  # closed, not left to the interpreter's teardown
+
+
+def _drop(handle: IO) -> None:
+    """Empty the lock file (so no dead pid is left in it to signal) and close it, which releases the lock."""
+    try:
+        handle.seek(0)
+        handle.truncate()
+    except OSError:
+        pass  # the folder may be gone; the kernel drops the lock when the file closes or the process ends
+    handle.close()
+
+
+atexit.register(lambda: [_drop(handle) for handle in _HELD.values()])  # not left to the interpreter's teardown
 
 
 def lock_run_folder(run_dir: Path) -> None:
@@ -60,7 +73,7 @@ def release_run_folder(run_dir: Path) -> None:
     """Drop this process's lock on `run_dir` (a start that failed before training removes its new folder)."""
     handle = _HELD.pop(Path(run_dir).resolve(), None)
     if handle is not None:
-        handle.close()
+        _drop(handle)
 
 
 def _in_use(run_dir: Path, holder: str) -> str:

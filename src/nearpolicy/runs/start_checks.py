@@ -39,29 +39,57 @@ def stored_config(run_dir: Path, overrides: list[str] = ()) -> Config:
     """The config of the run in `run_dir`, read back from its config.json and pointed at `run_dir` (run.output_dir,
     run.name), with `overrides` (--set) on top. Raises ConfigError when there is no readable config.json, when an
     override sets run.name or run.output_dir (RUN_DIR names the folder), or when the config no longer validates."""
-    run_dir = Path(run_dir)
-    if run_dir.name in ("", ".", ".."):
-        run_dir = run_dir.resolve()
-    path = run_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} holds no config.json, so it is not a run folder nearpolicy wrote (to resume "
-                          "by config instead: nearpolicy train CONFIG --set ... --resume)")
-    try:
-        data = read_json_object(path)
-    except RunFolderError as err:
-        raise ConfigError(str(err)) from None
+    run_dir, data = _stored_data(run_dir)
     for item in overrides:
         keys, _ = parse_override(item)
         if keys[:2] in (["run", "name"], ["run", "output_dir"]):
             raise ConfigError(f"--set {item}: with --resume RUN_DIR the folder is RUN_DIR; run.name and "
                               "run.output_dir cannot be set (move the folder instead)")
     data.setdefault("run", {}).update(output_dir=str(run_dir.parent), name=run_dir.name)
+    return _validated(run_dir, data, overrides)
+
+
+def config_from_run(run_dir: Path, overrides: list[str] = ()) -> Config:
+    """A new run's config taken from the run in `run_dir` (`nearpolicy train RUN_DIR/config.json`): its config.json
+    with its relative paths read where the run started (plan.json) and run.output_dir set to the folder that holds
+    `run_dir` (so the new run lands beside it, wherever the command runs), `overrides` on top (a new run.name among
+    them; without one the start refuses the existing folder). Raises ConfigError as stored_config."""
+    run_dir, data = _stored_data(run_dir)
+    data.setdefault("run", {})["output_dir"] = str(run_dir.resolve().parent)
+    return _validated(run_dir, data, overrides)
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether `path` is a run folder's own config.json (a plan.json beside it: a folder nearpolicy wrote)."""
+    path = Path(path)
+    return path.name == "config.json" and path.is_file() and (path.parent / "plan.json").is_file()
+
+
+def _stored_data(run_dir: Path) -> tuple[Path, dict]:
+    """(the run folder, absolute where it was given as '.' or '..', its config.json as a dict). Raises ConfigError
+    when the folder has no readable config.json."""
+    run_dir = Path(run_dir)
+    if run_dir.name in ("", ".", ".."):
+        run_dir = run_dir.resolve()
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} holds no config.json, so it is not a run folder nearpolicy wrote (to resume "
+                          f"by config instead: {program_name()} train CONFIG --set ... --resume)")
+    try:
+        return run_dir, read_json_object(path)
+    except RunFolderError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _validated(run_dir: Path, data: dict, overrides: list[str]) -> Config:
+    """config.json's dict `data` with its relative paths read where the run started, `overrides` on top, as a
+    Config. Raises ConfigError naming config.json when the stored config alone fails."""
     _paths_from_where_it_started(data, run_dir)
     try:
         return config_from_data(copy.deepcopy(data), list(overrides), None)  # overrides edit the dict in place
     except ConfigError as err:
-        config_from_data(data, [], path)  # the stored config alone failing: its error names config.json
-        raise ConfigError(f"--set on {path}: {err}") from None
+        config_from_data(data, [], run_dir / "config.json")  # the stored config alone failing: its error names it
+        raise ConfigError(f"--set on {run_dir / 'config.json'}: {err}") from None
 
 
 # Config keys whose value may be a path, read relative to the current folder of the start (plan.json's working_dir):
@@ -130,8 +158,8 @@ def _paths_from_where_it_started(data: dict, run_dir: Path) -> None:
             where = (f"is neither at {started} (where the run started) nor in the current folder {Path.cwd()}"
                      if started is not None else f"is read from the current folder {Path.cwd()}, where it does not "
                      "exist (the run recorded no absolute path)")
-            raise ConfigError(f"{key} {path} of {run_dir / 'config.json'} is relative and {where}: run `nearpolicy "
-                              "train --resume` from the folder the run was started in")
+            raise ConfigError(f"{key} {path} of {run_dir / 'config.json'} is relative and {where}: run the command "
+                              "from the folder the run was started in")
 
 
 def _same_location(key: str, saved: dict, now: dict, plan: dict) -> bool:
@@ -194,7 +222,8 @@ def check_not_weights_only(run_dir: Path, checkpoints: list[Path], kinds: list[t
         older = f", or delete it to resume from {usable[-2][0].name}" if len(usable) > 1 else ""
         raise RunExistsError(
             f"{newest} holds the weights only (the run had logging.final_weights_only = true), no optimizer "
-            f"state, so the run cannot continue from it: export it (`{program_name()} export {run_dir}`) and start a new "
+            f"state, so the run cannot continue from it: export it (`{program_name()} export {_quoted(run_dir)}`) and "
+            "start a new "
             f"run with model.path set to the exported folder{older}")
 
 
@@ -286,15 +315,21 @@ def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path
 def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = False) -> str:
     """How to train a finished run further: --resume with more steps under a constant lr, else a new run from its
     export (a decaying schedule ended at run.steps; a weights-only final checkpoint cannot be resumed)."""
-    folder, program = shlex.quote(str(run_dir)), program_name()
+    folder, program = _quoted(run_dir), program_name()
     if lr_schedule == "constant" and not weights_only:
         return (f"to train further, resume with more steps: {program} train --resume {folder} --set run.steps=N "
                 f"(N > {step})")
     why = ("its last checkpoint holds the weights only, so it cannot be resumed" if weights_only else
            f"its {lr_schedule} lr schedule ended at run.steps, so it cannot be extended")
-    return (f"{why}; to train further, start a new run with its config from its exported checkpoint: {program} export "
-            f"{folder}, then {program} train {shlex.quote(str(Path(run_dir) / 'config.json'))} --set "
-            f"model.path={shlex.quote(f'{run_dir}/export/step_{step:06d}')} --set run.name=NEW")
+    return (f"{why}; to train further, start a new run (fresh optimizer and lr schedule) with its config from its "
+            f"exported checkpoint: {program} export {folder}, then {program} train "
+            f"{_quoted(Path(run_dir) / 'config.json')} --set model.path={_quoted(f'{run_dir}/export/step_{step:06d}')} "
+            "--set run.name=NEW --set run.seed=S (another seed draws other training problems; the held-out set stays)")
+
+
+def _quoted(path: Path | str) -> str:
+    """A path as a shell word, for the commands printed to be pasted."""
+    return shlex.quote(str(path))
 
 
 def _finished_run(run_dir: Path, kinds: list[tuple[int, bool] | None], steps_now: int) -> str | None:
@@ -315,7 +350,7 @@ def _finished_run(run_dir: Path, kinds: list[tuple[int, bool] | None], steps_now
     schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
     return (f"{run_dir} already holds a finished run (it trained all of its run.steps = {steps}); set a new run.name "
             f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: {program_name()} report "
-            f"{run_dir}; its model: {program_name()} export {run_dir}), or "
+            f"{_quoted(run_dir)}; its model: {program_name()} export {_quoted(run_dir)}), or "
             f"{_further(run_dir, usable[-1][0], schedule or 'constant', usable[-1][1])}")
 
 

@@ -4,6 +4,7 @@ and the rollout source (rollouts/: inline or replicas). `assemble` builds them a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,7 +127,7 @@ def build_session(cfg: Config, run_dir: Path, log) -> Session:
     plan = _plan(cfg, resolved, model, task, stop_ids)
     log(f"correction: {plan['correction_effective']}")
     log(f"nearpolicy: {plan['engine']} engine, {plan['parameters'] / 1e6:.0f}M parameters, trainer in "
-        f"{a.trainer_precision}, {plan['samples_per_step']} samples/step, run folder {run_dir}")
+        f"{a.trainer_precision}, {plan['samples_per_step']} samples/step, run folder {run_dir}, pid {os.getpid()}")
     session = Session(cfg, model, tokenizer, task, optimizer, template, engine_dir, stop_ids, plan, ref_model, teacher,
                       distill=update_distill(cfg, optimizer, teacher), lora=lora)
     # every prompt must fit the context before any engine starts (its startup probe would fail less clearly)

@@ -148,10 +148,12 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
         return (130 if isinstance(err, KeyboardInterrupt) else 1), f"{reason} at step {trainer.state.step}; {where}"
     finally:
         trainer.close()
+    import shlex
+
     from nearpolicy.signals import program_name
 
     return 0, (f"done: {accuracy_said(run_dir)}metrics in {run_dir / 'metrics.jsonl'}, checkpoints in "
-               f"{run_dir / 'checkpoints'}; `{program_name()} report {run_dir}` draws them")
+               f"{run_dir / 'checkpoints'}; `{program_name()} report {shlex.quote(str(run_dir))}` draws them")
 
 
 def accuracy_said(run_dir) -> str:
