@@ -42,6 +42,7 @@ def test_a_folder_another_process_holds_is_refused_and_freed_when_it_ends(holder
         check_not_in_use(run_dir)
     finally:
         release_run_folder(run_dir)
+    assert (run_dir / RUN_LOCK).read_text() == ""  # released: no pid left to signal by mistake
 
 
 def test_train_and_its_dry_run_refuse_a_folder_in_use(holder):
