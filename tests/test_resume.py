@@ -64,7 +64,7 @@ def test_a_start_on_a_finished_run_points_to_report_and_export_not_to_resume(tmp
     run = _folder(cfg, logged=[0, 1, 2], checkpoints=[1, 2])
     head = (rf"already holds a finished run \(it trained all of its run.steps = 2\); set a new run.name \(for the main "
             rf"job `make train ARGS=\"--set run.name=NEW\"`; its results: nearpolicy report {run}; its model: "
-            rf"nearpolicy export {run}\), or ")
+            rf"nearpolicy export {run}\); ")
     for steps in (2, 5):  # the run's own run.steps decides, not the new config's
         with pytest.raises(RunExistsError, match=head + rf"to train further, resume with more steps: nearpolicy train "
                                                         rf"--resume {run} --set run.steps=N \(N > 2\)$"):

@@ -350,7 +350,7 @@ def _finished_run(run_dir: Path, kinds: list[tuple[int, bool] | None], steps_now
     schedule = algorithm.get("lr_schedule") if isinstance(algorithm, dict) else None
     return (f"{run_dir} already holds a finished run (it trained all of its run.steps = {steps}); set a new run.name "
             f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: {program_name()} report "
-            f"{_quoted(run_dir)}; its model: {program_name()} export {_quoted(run_dir)}), or "
+            f"{_quoted(run_dir)}; its model: {program_name()} export {_quoted(run_dir)}); "
             f"{_further(run_dir, usable[-1][0], schedule or 'constant', usable[-1][1])}")
 
 
