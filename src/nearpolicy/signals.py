@@ -29,9 +29,10 @@ def program_name() -> str:
     if started.name == "__main__.py" and started.parent.name == "nearpolicy":  # python -m nearpolicy
         beside = on_path is not None and Path(on_path).parent == Path(sys.executable).parent
         return "nearpolicy" if beside else f"{shlex.quote(sys.executable)} -m nearpolicy"
-    if "nearpolicy" not in (started.name, started.resolve().name):
+    resolved = started.resolve()
+    if "nearpolicy" not in (started.name, resolved.name):
         return "nearpolicy"
-    if on_path is not None and Path(on_path).resolve() == started.resolve():
+    if on_path is not None and Path(on_path).resolve() == resolved:
         return "nearpolicy"
     absolute = Path(os.path.abspath(started))  # symlinks kept: the name the user typed
     text = os.path.relpath(absolute) if absolute.is_relative_to(Path.cwd()) else str(absolute)

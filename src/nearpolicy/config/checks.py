@@ -290,12 +290,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     valid or (JSON) not an object."""
     if Path(path).suffix.lower() != ".json":
         return read_toml(path)
+    text = _config_text(path)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read config file {path}: {err}") from None
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
     except ConfigError as err:
@@ -317,14 +314,21 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def read_toml(path: Path) -> dict[str, Any]:
     """A config file's TOML as a dict. Raises ConfigError naming the file when it is missing, unreadable or not TOML."""
+    text = _config_text(path)
     try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+
+
+def _config_text(path: Path) -> str:
+    """A config file's text (UTF-8). Raises ConfigError naming the file when it is missing or unreadable."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides, default_preset: str, default_task) -> None:
