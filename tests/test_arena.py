@@ -67,6 +67,39 @@ def test_cells_are_every_correction_source_and_seed_as_validated_configs(tmp_pat
         spec.select(["tis/q8/s1", "tis/none/*"])
 
 
+def test_the_base_can_be_a_runs_config_json_or_a_json_config(tmp_path, monkeypatch):
+    """arena.base naming a run folder's config.json takes that run's whole config, its relative paths read where the
+    run started (plan.json), whatever the current folder; the cells set their own seed, name and output folder. Any
+    other .json is an ordinary config; a repeated JSON key is refused with the arena key named."""
+    from nearpolicy.config.schema import load_config
+    from nearpolicy.runs.folder import write_json
+
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir(), elsewhere.mkdir()
+    (started / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
+                                               for i in range(8)))
+    monkeypatch.chdir(started)
+    cfg = load_config(None, ["run.output_dir='runs'", "run.name=first", "task.kind=jsonl", "task.path='data.jsonl'",
+                             "algorithm.lr_schedule=cosine", "run.steps=3", "run.seed=7"])
+    run = started / "runs" / "first"
+    run.mkdir(parents=True)
+    write_json(run / "config.json", cfg.model_dump(mode="json"))
+    write_json(run / "plan.json", {"working_dir": str(started)})
+    monkeypatch.chdir(elsewhere)
+    text = ARENA.replace('"base.toml"', json.dumps(str(run / "config.json")))
+    spec = load_arena(_arena(tmp_path, text, base=None), out=tmp_path / "out")
+    cell = spec.cells[-1].config
+    assert cell.task.path == started / "data.jsonl" and cell.algorithm.lr_schedule == "cosine"
+    assert (cell.run.steps, cell.run.seed, cell.run.name, cell.run.output_dir) == (
+        3, 1, "tis__noise__s1", tmp_path / "out" / "cells")
+    (tmp_path / "plain.json").write_text(json.dumps({"run": {"steps": 4}, "task": {"eval_size": 4}}))
+    plain = load_arena(_arena(tmp_path, ARENA.replace('"base.toml"', '"plain.json"'), base=None))
+    assert plain.cells[0].config.run.steps == 4
+    (tmp_path / "plain.json").write_text('{"run": {"steps": 4, "steps": 5}}')
+    with pytest.raises(ArenaError, match=r"arena.base: .*plain.json: .*steps"):
+        load_arena(_arena(tmp_path, ARENA.replace('"base.toml"', '"plain.json"'), base=None))
+
+
 OVERRIDE = '\n[[override]]\ncells = "tis/*/s1"\nset = ["run.steps=3"]\n'
 
 

@@ -1,7 +1,7 @@
 """The arena file (ARENA.toml): parse, validate and expand into cells, each an ordinary validated Config.
 
     [arena]
-    base = "main.toml"               # the base config, relative to the arena file's folder (required)
+    base = "main.toml"               # the base config (TOML, or a run folder's config.json), relative to this file (required)
     seeds = [0, 1, 2]                # run.seed of each repetition (required, distinct)
     set = ["run.steps=15"]           # --set overrides applied to every cell (the shared budget)
     out = "runs/arena"               # output folder (default runs/arena-<file stem>; `--out` replaces it)
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
-from nearpolicy.config.checks import read_toml
+from nearpolicy.config.checks import read_config_file
 from nearpolicy.arena.keys import (  # noqa: F401 (ArenaError, OUTCOME_NAMES re-exported)
     ARENA_KEYS, DRAW_KEYS, NAME, OUTCOME_NAMES, OWNED_KEYS, SAME_KEYS, TOP_KEYS, ArenaError)
 from nearpolicy.arena.stop_settings import Sequential, parse_sequential  # noqa: F401 (Sequential re-exported)
@@ -246,7 +246,7 @@ def load_arena(path: Path, out: Path | None = None) -> ArenaSpec:
                      arena.get("keep_checkpoints", False), _estimates(arena))
     common = _sets(arena.get("set", []), "arena")
     try:
-        base_data = read_toml(base)
+        base_data = _base_data(base)
     except ConfigError as err:
         raise ArenaError(f"arena.base: {err}") from None
     cells = _cells(spec, base_data, common, _overrides(data.get("override", [])))
@@ -280,6 +280,14 @@ def _vary(value: Any) -> frozenset[str]:
                              f"{', '.join(SAME_KEYS)}; task.* keys never need it: the mixture keys may differ "
                              "without it, the others never, as every cell scores the same held-out set)")
     return frozenset(value)
+
+
+def _base_data(base: Path) -> dict:
+    """The base config as a dict: a TOML file, a JSON config, or a run folder's own config.json (its relative paths
+    read where that run started; the cells set run.seed, run.name and run.output_dir themselves)."""
+    from nearpolicy.runs.start_checks import is_run_config, run_config_data
+
+    return run_config_data(base.parent) if is_run_config(base) else read_config_file(base)
 
 
 def _config(base: dict, sets: list[str], where: str, path: Path) -> Config:

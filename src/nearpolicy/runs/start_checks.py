@@ -59,6 +59,14 @@ def config_from_run(run_dir: Path, overrides: list[str] = ()) -> Config:
     return _validated(run_dir, data, overrides)
 
 
+def run_config_data(run_dir: Path) -> dict:
+    """The run in `run_dir`'s config.json as a dict, its relative paths replaced by those the run read at its start
+    (plan.json): a base other configs can be layered on (an arena's `base`). Raises ConfigError as stored_config."""
+    run_dir, data = _stored_data(run_dir)
+    _paths_from_where_it_started(data, run_dir)
+    return data
+
+
 def is_run_config(path: Path) -> bool:
     """Whether `path` is a run folder's own config.json (a plan.json beside it: a folder nearpolicy wrote)."""
     path = Path(path)
