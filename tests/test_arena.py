@@ -121,6 +121,7 @@ def test_an_override_applies_to_the_cells_its_glob_matches(tmp_path):
     (lambda t: t.replace("baseline", "sede = 1\nbaseline"), "arena: unknown key 'sede'"),
     (lambda t: t.replace("logit_noise=0.5", "logit_noise=0.5\", \"run.seed=3"), "sources.noise.set: run.seed is set"),
     (lambda t: t.replace('"base.toml"', '"nope.toml"'), "arena.base: the base config .*nope.toml does not exist"),
+    (lambda t: t.replace('"base.toml"', '"."'), "arena.base: .* is a folder, not a config file"),
     (lambda t: t.replace('baseline = "off"', 'baseline = "tiss"'), "arena.baseline 'tiss' is not one"),
     (lambda t: t.replace("engine.logit_noise=0.5", "task.eval_size=8"),
      "cell off/noise/s0 has task.eval_size = 8 but cell off/q8/s0 has 4"),

@@ -416,3 +416,24 @@ def test_a_runs_config_json_starts_a_new_run_beside_it_from_any_folder(tmp_path,
     (run / "plan.json").unlink()  # any other JSON file is an ordinary config file
     plain, _ = _train_config(args())
     assert plain.run.output_dir == Path("runs")
+
+
+def test_a_runs_config_json_layers_like_the_file_it_came_from(tmp_path):
+    """config.json writes every key out; used as a lower layer (train RUN/config.json, an arena's base) it must take
+    overrides as its source file did: a LoRA or XRPO override turns the section on (the stored run had it off), and
+    a layer that leaves gspo takes the new loss's aggregation. Unchanged, the config is the stored one. A repeated
+    key in a hand-edited config.json is refused."""
+    from nearpolicy.runs.start_checks import config_from_run
+
+    cfg = load_config(None, [f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=g", "algorithm.loss=gspo"])
+    run = _folder(cfg)
+    assert cfg.algorithm.aggregation == "seq-mean-token-mean" and not cfg.lora.enabled
+    again = config_from_run(run, [])
+    assert again.model_dump() == cfg.model_dump()
+    new = config_from_run(run, ["run.name=h", "lora.rank=4", "algorithm.loss=ppo_clip"])
+    assert new.lora.enabled and new.lora.rank == 4 and new.algorithm.aggregation == "token-mean"
+    assert config_from_run(run, ["run.name=x", "xrpo.alpha=0.1"]).xrpo.enabled
+    text = (run / "config.json").read_text()
+    (run / "config.json").write_text(text.replace('"loss": "gspo"', '"loss": "gspo", "loss": "ppo_clip"', 1))
+    with pytest.raises(ConfigError, match="loss.*appears twice|appears twice.*loss"):
+        config_from_run(run, ["run.name=y"])

@@ -231,7 +231,10 @@ def load_arena(path: Path, out: Path | None = None) -> ArenaSpec:
     _unknown(arena, ARENA_KEYS, "arena")
     if not isinstance(arena.get("base"), str):
         raise ArenaError("arena.base must name the base config file (relative to the arena file's folder)")
-    base = (path.parent / arena["base"]).resolve()
+    base = (path.parent / Path(arena["base"]).expanduser()).resolve()
+    if base.is_dir():
+        hint = f"; name its config.json: {base / 'config.json'}" if (base / "config.json").is_file() else ""
+        raise ArenaError(f"arena.base: {base} is a folder, not a config file{hint}")
     if not base.is_file():
         raise ArenaError(f"arena.base: the base config {base} does not exist (relative to {path.parent})")
     corrections = _arms(data.get("corrections"), "corrections", preset_allowed=True)

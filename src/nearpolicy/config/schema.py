@@ -25,7 +25,7 @@ from nearpolicy.config.sections import (DistillConfig, EpisodeConfig, MipuConfig
 from nearpolicy.ops.advantages import ADVANTAGES
 from nearpolicy.ops.data_policies import DATA_POLICIES, MIXTURE_DECAY, MIXTURE_FLOOR, DataPolicyParams
 from nearpolicy.ops.kl import KL_ESTIMATORS
-from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams
+from nearpolicy.ops.losses import POLICY_LOSSES, PolicyLossParams, required_aggregation
 from nearpolicy.ops.masked import AGGREGATIONS
 from nearpolicy.ops.mixture import MIXTURES
 from nearpolicy.ops.schedule import LR_SCHEDULES
@@ -360,6 +360,25 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> Config:
     values for them are dropped; likewise a layer that changes task.kind or task.name drops a lower layer's
     task.options. Raises ConfigError naming the offending key."""
     return config_from_data(read_config_file(path) if path is not None else {}, overrides, path)
+
+
+PRESENCE_SECTIONS = ("lora", "xrpo")  # a table or any override of one turns it on (config/lora.py, config/xrpo.py)
+
+
+def stored_as_layer(data: dict[str, Any]) -> dict[str, Any]:
+    """A run's config.json (every key written out) made a lower layer again, so that overrides on it act as on the
+    file it came from (edited in place and returned): a section of PRESENCE_SECTIONS stored as off is dropped (else
+    `--set lora.rank=8` would leave LoRA off), and an aggregation that the stored loss requires is dropped (else a
+    layer changing algorithm.loss away from gspo would keep gspo's aggregation). Neither changes the config itself."""
+    for name in PRESENCE_SECTIONS:
+        if isinstance(data.get(name), dict) and data[name].get("enabled") is False:
+            del data[name]
+    algorithm = data.get("algorithm")
+    if isinstance(algorithm, dict) and isinstance(algorithm.get("loss"), str):
+        required = required_aggregation(algorithm["loss"])
+        if required is not None and algorithm.get("aggregation") == required:
+            del algorithm["aggregation"]
+    return data
 
 
 def config_from_data(data: dict[str, Any], overrides: list[str] = (), where: Path | None = None) -> Config:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override
+from nearpolicy.config.checks import read_config_file
+from nearpolicy.config.schema import Config, ConfigError, config_from_data, parse_override, stored_as_layer
 from nearpolicy.model.load import DEFAULT_SPEC
 from nearpolicy.runs.folder import (METRICS, RunExistsError, RunFinished, RunFolderError, checkpoint_kind,
                                     is_finite_number, list_checkpoints, read_json_object, read_metrics)
@@ -83,10 +84,7 @@ def _stored_data(run_dir: Path) -> tuple[Path, dict]:
     if not path.is_file():
         raise ConfigError(f"{run_dir} holds no config.json, so it is not a run folder nearpolicy wrote (to resume "
                           f"by config instead: {program_name()} train CONFIG --set ... --resume)")
-    try:
-        return run_dir, read_json_object(path)
-    except RunFolderError as err:
-        raise ConfigError(str(err)) from None
+    return run_dir, stored_as_layer(read_config_file(path))  # read_config_file refuses a repeated key
 
 
 def _validated(run_dir: Path, data: dict, overrides: list[str]) -> Config:
