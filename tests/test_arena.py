@@ -132,7 +132,7 @@ def test_an_override_applies_to_the_cells_its_glob_matches(tmp_path):
     (lambda t: t + OVERRIDE.replace("tis/*/s1", "tis/*/s7"), r"override\[0\].cells 'tis/\*/s7' matches no cell"),
     (lambda t: t.replace("note =", "nose ="), "sources.q8: unknown key 'nose'"),
 ], ids=["repeated-seed", "repeated-name", "case-collision", "double-underscore", "slash", "unknown-key",
-        "bad-value", "unknown-arena-key", "owned-key", "missing-base", "bad-baseline", "different-eval",
+        "bad-value", "unknown-arena-key", "owned-key", "missing-base", "base-is-folder", "bad-baseline", "different-eval",
         "different-steps", "different-group-size", "vary-task", "override-matches-nothing", "arm-key"])
 def test_bad_arena_files_are_refused_naming_the_problem(tmp_path, edit, match):
     with pytest.raises(ArenaError, match=match):
