@@ -20,7 +20,9 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ARENAS = (("arena-shipped", "arena"), ("arena-staleness", "arena-staleness"), ("arena-mc-grpo", "arena-mc-grpo"))
+ARENAS = (("arena-shipped", "arena"), ("arena-staleness", "arena-staleness"), ("arena-mc-grpo", "arena-mc-grpo"),
+          ("arena-mc-grpo-power", "arena-mc-grpo-power"), ("arena-mc-grpo-128", "arena-mc-grpo-128"))
+FAILED = 0.6  # a final accuracy below it: a failed run (every finished G = 8 grpo cell of the power arena >= 0.676)
 
 
 def _rows(cell: Path) -> list[dict]:
@@ -115,7 +117,43 @@ def _mc_grpo(cells: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-NAMED = {"arena-shipped": _shipped, "arena-staleness": _staleness, "arena-mc-grpo": _mc_grpo}
+def _ranks(values: list[float]) -> list[float]:
+    """Average ranks (1-based; ties share their mean rank)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            ranks[k] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _truncation_and_final(name: str, cells: dict[str, list[dict]]) -> list[str]:
+    """Per finished cell (its last row at the arena's last step, with eval/accuracy), the truncated share over its last
+    10 steps against its final accuracy: their rank (Spearman) correlation, per arm the shares and the failed runs."""
+    last = max(rows[-1]["step"] for rows in cells.values() if rows)
+    ended = {c: rows for c, rows in cells.items() if rows and rows[-1]["step"] == last and "eval/accuracy" in rows[-1]}
+    late = {c: statistics.mean(r["response/frac_truncated"] for r in rows[-10:]) for c, rows in ended.items()}
+    final = {c: rows[-1]["eval/accuracy"] for c, rows in ended.items()}
+    keys = sorted(ended)
+    rho = statistics.correlation(_ranks([late[c] for c in keys]), _ranks([final[c] for c in keys]))
+    lines = [f"{name}: rank correlation of a cell's truncated share over its last 10 steps with its final accuracy "
+             f"{rho:+.2f} over {len(keys)} cells"]
+    for arm in sorted({_arm(c) for c in keys}):
+        mine = [c for c in keys if _arm(c) == arm]
+        failed = [f"{c.rsplit('__', 1)[1]} {final[c]:.3f} (cut {late[c]:.2f})" for c in mine if final[c] < FAILED]
+        lines.append(f"{name} {'/'.join(arm)}: last-10-step truncated share {_span([late[c] for c in mine])}; "
+                     f"final below {FAILED}: {', '.join(failed) or 'none'} of {len(mine)}")
+    return lines
+
+
+NAMED = {"arena-shipped": _shipped, "arena-staleness": _staleness, "arena-mc-grpo": _mc_grpo,
+         "arena-mc-grpo-power": lambda cells: _truncation_and_final("arena-mc-grpo-power", cells),
+         "arena-mc-grpo-128": lambda cells: _truncation_and_final("arena-mc-grpo-128", cells)}
 
 
 def main() -> None:

@@ -301,6 +301,7 @@ def test_the_lora_table_is_what_the_script_prints_from_the_committed_cells():
                          "mc_grpo_g1/G2:grpo/G2", "mc_grpo_g1/G8:grpo/G8"], "mc-grpo-power-paired.md"),
     ("paired_cells.py", ["arena-runs/arena-staleness-mb4.tar.gz", "decoupled/eta4:bypass/eta4"],
      "staleness-mb4-paired.md"),
+    ("paired_cells.py", ["arena-runs/arena-mc-grpo-128.tar.gz", "mc_grpo_g1/G8:mc_grpo_g1/G2"], "mc-grpo-128-paired.md"),
     ("main_precision_table.py", ["runs/main-precision-2026-12-07.tar.gz"], "main-precision-table.md"),
     ("paired_cells.py", ["runs/main-precision-2026-12-07.tar.gz", "bf16/q8_0:fp32/q8_0"], "main-precision-paired.md"),
 ])
