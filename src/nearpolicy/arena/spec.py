@@ -1,7 +1,7 @@
 """The arena file (ARENA.toml): parse, validate and expand into cells, each an ordinary validated Config.
 
     [arena]
-    base = "main.toml"               # the base config (TOML, or a run folder's config.json), relative to this file (required)
+    base = "main.toml"               # the base config (TOML, or a run folder's config.json), relative to this file
     seeds = [0, 1, 2]                # run.seed of each repetition (required, distinct)
     set = ["run.steps=15"]           # --set overrides applied to every cell (the shared budget)
     out = "runs/arena"               # output folder (default runs/arena-<file stem>; `--out` replaces it)
