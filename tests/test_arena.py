@@ -475,3 +475,11 @@ def test_the_main_job_budget_arenas_load(name, cells, minibatches):
         ranks = {c.id.split("/")[0]: (c.config.lora.enabled, c.config.lora.rank, c.config.lora.lr) for c in spec.cells}
         assert ranks == {"full": (False, 8, 1e-4), "r1": (True, 1, 1e-4), "r8": (True, 8, 1e-4),
                          "r32": (True, 32, 1e-4)}
+
+
+def test_a_config_hint_names_the_arenas_set_lists_not_a_command_line_flag(tmp_path):
+    """`nearpolicy arena` has no --set: a config error's "add --set ..." hint names arena.set instead."""
+    base = BASE + '[algorithm]\nlr_schedule = "cosine"\nwarmup_steps = 2\n'
+    with pytest.raises(ArenaError, match=r"add to arena.set: algorithm.warmup_steps=1") as raised:
+        load_arena(_arena(tmp_path, base=base))
+    assert "--set" not in str(raised.value)

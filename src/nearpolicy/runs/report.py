@@ -180,7 +180,8 @@ def panel_figure(panel: Panel, runs: Sequence[Run]) -> Figure | None:
         lines = panel.lines(run)
         for s, (series, key) in enumerate(lines):
             if len(runs) == 1:
-                style = {"color": f"C{s % 10}", "linestyle": "-", "label": series.label}
+                # later series dashed: a series equal to an earlier one (total = discrepancy with no lag) stays visible
+                style = {"color": f"C{s % 10}", "linestyle": LINESTYLES[s % len(LINESTYLES)], "label": series.label}
             else:
                 label = legend_name(run) if len(lines) == 1 else f"{legend_name(run)}: {series.label}"
                 style = {"color": f"C{r % 10}", "linestyle": LINESTYLES[s % len(LINESTYLES)], "label": label}
@@ -191,8 +192,9 @@ def panel_figure(panel: Panel, runs: Sequence[Run]) -> Figure | None:
         low, high = ax.dataLim.intervalx
         if high - low < 1:  # every point at one step: matplotlib's default span (+-5 %) is a fraction of a step
             ax.set_xlim(low - 1, high + 1)
-        labels = len(ax.get_legend_handles_labels()[1])  # below the axes, so no legend covers a line
-        fig.legend(loc="outside lower center", ncols=min(labels, 3), fontsize=8, frameon=False)
+        labels = ax.get_legend_handles_labels()[1]  # below the axes, so no legend covers a line
+        columns = 1 if max(map(len, labels), default=0) > 40 else min(len(labels), 3)  # long run names would be cut off
+        fig.legend(loc="outside lower center", ncols=columns, fontsize=8, frameon=False)
     else:
         empty = "no positive values to draw on a log scale" if panel.log_y else "no finite values to draw"
         ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
