@@ -64,6 +64,7 @@ def test_a_python_reward_trains_through_the_api_and_its_rewards_are_logged(tiny_
     assert lines[-1] == result.message and result.message.startswith(
         f"done: eval accuracy {first:.3f} (step 0) -> {last:.3f} (step 2), best "
         f"{result.metrics[best_step]['eval/accuracy']:.3f} (step {best_step}); metrics in ")
+    assert "; to train further, resume with more steps: " in result.message  # a constant lr: --resume extends it
     assert result.final is result.metrics[-1] and "eval/accuracy" in result.final
     assert nearpolicy.read_metrics(result.run_dir) == result.metrics
 

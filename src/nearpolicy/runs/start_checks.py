@@ -312,13 +312,13 @@ def _resume_check(run_dir: Path, cfg: Config, data: dict, checkpoints: list[Path
     path, step = found
     if step >= cfg.run.steps:
         raise RunFinished(f"nothing to do: {run_dir} is finished (its last checkpoint {path.name} is at step {step}, "
-                          f"run.steps = {cfg.run.steps}); {_further(run_dir, step, cfg.algorithm.lr_schedule)}")
+                          f"run.steps = {cfg.run.steps}); {further_advice(run_dir, step, cfg.algorithm.lr_schedule)}")
     skipped = f" (newer, damaged: {', '.join(p.name for p in checkpoints[checkpoints.index(path) + 1:])})" \
         if path != checkpoints[-1] else ""
     return FolderCheck(data, f"resumes {run_dir} from {path.name}{skipped}: steps {step + 1} to {cfg.run.steps}")
 
 
-def _further(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = False) -> str:
+def further_advice(run_dir: Path, step: int, lr_schedule: str, weights_only: bool = False) -> str:
     """How to train a finished run further: --resume with more steps under a constant lr, else a new run from its
     export (a decaying schedule ended at run.steps; a weights-only final checkpoint cannot be resumed)."""
     folder, program = _quoted(run_dir), program_name()
@@ -357,7 +357,7 @@ def _finished_run(run_dir: Path, kinds: list[tuple[int, bool] | None], steps_now
     return (f"{run_dir} already holds a finished run (it trained all of its run.steps = {steps}); set a new run.name "
             f"(for the main job `make train ARGS=\"--set run.name=NEW\"`; its results: {program_name()} report "
             f"{_quoted(run_dir)}; its model: {program_name()} export {_quoted(run_dir)}); "
-            f"{_further(run_dir, usable[-1][0], schedule or 'constant', usable[-1][1])}")
+            f"{further_advice(run_dir, usable[-1][0], schedule or 'constant', usable[-1][1])}")
 
 
 def _last_logged_step(run_dir: Path) -> int | None:

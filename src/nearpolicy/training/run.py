@@ -150,10 +150,14 @@ def fit(trainer, stop, progress: bool = True) -> tuple[int, str]:
         trainer.close()
     import shlex
 
+    from nearpolicy.runs.start_checks import further_advice
     from nearpolicy.signals import program_name
 
+    further = further_advice(run_dir, trainer.state.step, trainer.cfg.algorithm.lr_schedule,
+                             trainer.cfg.logging.final_weights_only)
     return 0, (f"done: {accuracy_said(run_dir)}metrics in {run_dir / 'metrics.jsonl'}, checkpoints in "
-               f"{run_dir / 'checkpoints'}; `{program_name()} report {shlex.quote(str(run_dir))}` draws them")
+               f"{run_dir / 'checkpoints'}; `{program_name()} report {shlex.quote(str(run_dir))}` draws them; "
+               f"{further}")
 
 
 def accuracy_said(run_dir) -> str:
