@@ -30,6 +30,21 @@ TINY_CONFIG = dict(
 )
 
 
+@pytest.fixture
+def started_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """(started, elsewhere): two folders under tmp_path, `started` holding an 8-problem data.jsonl, the current folder
+    set to `started` (where a run with a relative task.path starts); move to `elsewhere` to read the run from another
+    folder."""
+    import json
+
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir(), elsewhere.mkdir()
+    (started / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
+                                               for i in range(8)))
+    monkeypatch.chdir(started)
+    return started, elsewhere
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The shipped SmolLM2-135M-Instruct Q4_1 GGUF."""

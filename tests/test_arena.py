@@ -67,18 +67,14 @@ def test_cells_are_every_correction_source_and_seed_as_validated_configs(tmp_pat
         spec.select(["tis/q8/s1", "tis/none/*"])
 
 
-def test_the_base_can_be_a_runs_config_json_or_a_json_config(tmp_path, monkeypatch):
+def test_the_base_can_be_a_runs_config_json_or_a_json_config(tmp_path, monkeypatch, started_elsewhere):
     """arena.base naming a run folder's config.json takes that run's whole config, its relative paths read where the
     run started (plan.json), whatever the current folder; the cells set their own seed, name and output folder. Any
     other .json is an ordinary config; a repeated JSON key is refused with the arena key named."""
     from nearpolicy.config.schema import load_config
     from nearpolicy.runs.folder import write_json
 
-    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
-    started.mkdir(), elsewhere.mkdir()
-    (started / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
-                                               for i in range(8)))
-    monkeypatch.chdir(started)
+    started, elsewhere = started_elsewhere
     cfg = load_config(None, ["run.output_dir='runs'", "run.name=first", "task.kind=jsonl", "task.path='data.jsonl'",
                              "algorithm.lr_schedule=cosine", "run.steps=3", "run.seed=7"])
     run = started / "runs" / "first"

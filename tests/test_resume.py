@@ -220,17 +220,14 @@ def test_stored_config_is_the_runs_own_config_pointed_at_its_folder_with_sets_on
         stored_config(tmp_path, [])
 
 
-def test_a_relative_task_path_is_read_from_where_the_run_started_on_resume_run_dir(tmp_path, monkeypatch):
+def test_a_relative_task_path_is_read_from_where_the_run_started_on_resume_run_dir(tmp_path, monkeypatch,
+                                                                                  started_elsewhere):
     """Issue 38 item 7: `--resume RUN_DIR` from another folder read a relative task.path from the current folder (the
     file was not there, or another one of the same name was). plan.json records the absolute path; the resume reads
     that file, and the config counts as unchanged; a run without the record is told where the path is read from."""
     from nearpolicy.tasks.identity import data_identity
 
-    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
-    started.mkdir(), elsewhere.mkdir()
-    (started / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
-                                               for i in range(8)))
-    monkeypatch.chdir(started)
+    started, elsewhere = started_elsewhere
     cfg = _cfg(tmp_path / "runs", "task.kind=jsonl", "task.path='data.jsonl'")
     run = _folder(cfg, logged=[0, 1], checkpoints=[1])
     write_json(run / "plan.json", {"data": data_identity("jsonl", cfg.task.path)})
@@ -384,7 +381,8 @@ def test_a_plain_start_calls_a_run_finished_where_resume_has_nothing_to_do(tmp_p
         check_run_folder(_cfg(tmp_path, "run.steps=5"), resume=False)
 
 
-def test_a_runs_config_json_starts_a_new_run_beside_it_from_any_folder(tmp_path, monkeypatch, capsys):
+def test_a_runs_config_json_starts_a_new_run_beside_it_from_any_folder(tmp_path, monkeypatch, capsys,
+                                                                       started_elsewhere):
     """`nearpolicy train RUN/config.json` (the 'train further' advice): the new run lands beside RUN whatever the
     current folder, its relative paths are read where RUN started (plan.json), and `--resume RUN/config.json` is
     `--resume RUN`, never a new run in the current folder."""
@@ -393,11 +391,7 @@ def test_a_runs_config_json_starts_a_new_run_beside_it_from_any_folder(tmp_path,
     from nearpolicy.cli import _train_config
     from nearpolicy.tasks.identity import data_identity
 
-    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
-    started.mkdir(), elsewhere.mkdir()
-    (started / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1?", "answer": i + 1}) + "\n"
-                                               for i in range(8)))
-    monkeypatch.chdir(started)
+    started, elsewhere = started_elsewhere
     cfg = load_config(None, ["run.output_dir='runs'", "run.name=first", "task.kind=jsonl", "task.path='data.jsonl'",
                              "algorithm.lr_schedule=cosine", "run.steps=2"])
     run = started / _folder(cfg, logged=[0, 1, 2], checkpoints=[2])
