@@ -79,8 +79,8 @@ def test_a_group_inside_the_window_packs_and_one_past_it_runs_as_padded_rows(gem
                         lambda s, n, h, w: batching.packs_completions(s, n, 10**9, w))
     packed = []
     run_packed = policy._packed
-    monkeypatch.setattr(policy, "_packed", lambda model, cache, ids, steps, n: packed.append(len(steps))
-                        or run_packed(model, cache, ids, steps, n))
+    monkeypatch.setattr(policy, "_packed", lambda model, prompt, ids, steps: packed.append(len(steps))
+                        or run_packed(model, prompt, ids, steps))
     batch = _batch([(2, [1, 3]), (3, [5, 0, 4])], shared=True)
     with torch.no_grad():
         policy.sequence_logprobs(gemma, batch, SAMPLING)
