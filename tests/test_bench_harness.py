@@ -304,9 +304,13 @@ def test_the_lora_table_is_what_the_script_prints_from_the_committed_cells():
     ("paired_cells.py", ["arena-runs/arena-mc-grpo-128.tar.gz", "mc_grpo_g1/G8:mc_grpo_g1/G2"], "mc-grpo-128-paired.md"),
     ("main_precision_table.py", ["runs/main-precision-2026-12-07.tar.gz"], "main-precision-table.md"),
     ("paired_cells.py", ["runs/main-precision-2026-12-07.tar.gz", "bf16/q8_0:fp32/q8_0"], "main-precision-paired.md"),
+    ("main_precision_table.py", ["runs/main-onepass-2026-12-07.tar.gz"], "main-onepass-table.md"),
+    ("main_precision_table.py", ["runs/main-max32-2026-12-07.tar.gz"], "main-max32-table.md"),
+    ("main_job_floor.py", ["runs/main-precision-2026-12-07.tar.gz", "docs/runs/main-onepass-2026-12-07.tar.gz"],
+     "main-job-floor.md"),
 ])
 def test_the_seed_method_tables_are_what_the_scripts_print_from_the_committed_cells(script, args, committed):
-    """docs/results.md secs. 1 and 17-19's tables and the problems x seeds column of docs/arena.md's MC-GRPO power
+    """docs/results.md secs. 1, 5 (the main job's floor) and 17-19's tables and the problems x seeds column of docs/arena.md's MC-GRPO power
     arena (docs/bench/*.md) are the scripts' output on the committed packages."""
     import subprocess
 
