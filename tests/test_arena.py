@@ -127,9 +127,11 @@ def test_an_override_applies_to_the_cells_its_glob_matches(tmp_path):
     (lambda t: t.replace("baseline", 'vary = ["task.eval_size"]\nbaseline'), "arena.vary: 'task.eval_size' is not"),
     (lambda t: t + OVERRIDE.replace("tis/*/s1", "tis/*/s7"), r"override\[0\].cells 'tis/\*/s7' matches no cell"),
     (lambda t: t.replace("note =", "nose ="), "sources.q8: unknown key 'nose'"),
+    (lambda t: t + "deep = " + "[" * 100_000 + "]" * 100_000 + "\n", "not a valid TOML file .*recursion"),
 ], ids=["repeated-seed", "repeated-name", "case-collision", "double-underscore", "slash", "unknown-key",
         "bad-value", "unknown-arena-key", "owned-key", "missing-base", "base-is-folder", "bad-baseline", "different-eval",
-        "different-steps", "different-group-size", "vary-task", "override-matches-nothing", "arm-key"])
+        "different-steps", "different-group-size", "vary-task", "override-matches-nothing", "arm-key",
+        "nested-past-recursion-limit"])
 def test_bad_arena_files_are_refused_naming_the_problem(tmp_path, edit, match):
     with pytest.raises(ArenaError, match=match):
         load_arena(_arena(tmp_path, edit(ARENA)))

@@ -323,3 +323,21 @@ def test_seeds_for_mde_says_nothing_without_an_observed_spread():
     assert seeds_for_mde(Paired("seeds", 0.1, 0.0, 0.2, float("nan"), 0.1, 3, None, 2), 0.05) is None
     with pytest.raises(ValueError):
         seeds_for_mde(flat, float("nan"))
+
+
+def test_a_corrections_name_labels_its_first_drawn_line_even_when_its_first_cell_logged_nothing():
+    """Found by the sixth sitting's new-user trial: the label went on each correction's first cell, so a correction whose first cell had no
+    evals drew unlabelled lines and matplotlib warned "No artists with labels found to put in legend"."""
+    import warnings
+    from types import SimpleNamespace
+
+    from nearpolicy.arena.page import source_figure
+
+    spec = SimpleNamespace(corrections=[SimpleNamespace(name="tis")])
+    empty = _cell("tis", "q8", 0, 0.5)
+    drawn = _cell("tis", "q8", 1, 0.5)
+    drawn.accuracy, drawn.k3 = [(0, 0.3), (10, 0.5)], [(1, 0.004), (2, 0.003)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = source_figure(spec, [empty, drawn], "q8")
+    assert png.startswith(b"\x89PNG")

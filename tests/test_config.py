@@ -36,6 +36,17 @@ def test_bad_values_name_the_key(override, needle):
         load_config(None, [override])
 
 
+def test_a_config_nested_past_the_recursion_limit_is_refused_as_invalid(tmp_path):
+    deep = tmp_path / "deep.toml"
+    deep.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="deep.toml: not valid TOML"):
+        load_config(deep)
+    deep_json = tmp_path / "deep.json"
+    deep_json.write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match="deep.json: not valid JSON"):
+        load_config(deep_json)
+
+
 def test_malformed_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[run\nname=")

@@ -274,3 +274,18 @@ def test_weights_of_another_shape_are_a_clear_error(tiny_model_dir, tmp_path):
     save_file(weights, str(tmp_path / "wrong.safetensors"))
     with pytest.raises(ValueError, match="does not match the model"):
         load_model_weights(tmp_path / "wrong.safetensors", model)
+
+
+def test_the_position_chart_of_candidates_without_a_positive_k3_draws_no_legend_and_no_warning(tmp_path):
+    """An exact candidate (k3 0 at every position) draws no line; the chart is still written, without matplotlib's
+    "No artists with labels found to put in legend" warning."""
+    import warnings
+
+    from nearpolicy.diagnosis.measure import CandidateResult
+    from nearpolicy.diagnosis.plots import position_chart
+
+    exact = CandidateResult("f32", "f32", {}, {"start": [0.0, 16.0], "k3": [0.0, 0.0]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = position_chart([exact], tmp_path / "positions.png")
+    assert path.read_bytes().startswith(b"\x89PNG")

@@ -183,6 +183,15 @@ def test_jsonl_bad_lines_reported(tmp_path: Path) -> None:
     assert task.train_size + len(task.eval_problems()) == 4
 
 
+def test_a_jsonl_line_nested_past_the_recursion_limit_is_a_bad_line_not_a_crash(tmp_path: Path) -> None:
+    lines = _rows(3)
+    lines.insert(1, '{"prompt": "x", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}")  # line 2
+    path = _write(tmp_path, lines)
+    with pytest.raises(ValueError, match=r"data\.jsonl.*\[2\]"):
+        JsonlTask(path, 1, 0, 1)
+    assert JsonlTask(path, 1, 0, 1, skip_bad_lines=True).skipped_lines == [2]
+
+
 def test_jsonl_empty_file_and_nothing_left(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no usable problems"):
         JsonlTask(_write(tmp_path, [""]), 1, 0, 1)

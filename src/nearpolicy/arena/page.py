@@ -185,18 +185,24 @@ def source_figure(spec: ArenaSpec, results: list[CellResult], source: str) -> by
     colours = [f"C{i % 10}" for i in range(len(spec.corrections))]
     for colour, correction in zip(colours, spec.corrections):
         mine = [r for r in results if r.source == source and r.correction == correction.name]
-        for i, r in enumerate(mine):
-            label = correction.name if i == 0 else None
+        labelled: set[int] = set()  # the correction's name goes on its first line in each panel
+
+        def label(ax) -> str | None:
+            first = id(ax) not in labelled
+            labelled.add(id(ax))
+            return correction.name if first else None
+
+        for r in mine:
             if r.accuracy:
-                acc_ax.plot(*zip(*r.accuracy), color=colour, marker="o", ms=3, lw=1, label=label)
+                acc_ax.plot(*zip(*r.accuracy), color=colour, marker="o", ms=3, lw=1, label=label(acc_ax))
             if any(v > 0 for _, v in r.k3):
-                k3_ax.plot(*zip(*[(s, v) for s, v in r.k3 if v > 0]), color=colour, lw=1, label=label)
+                k3_ax.plot(*zip(*[(s, v) for s, v in r.k3 if v > 0]), color=colour, lw=1, label=label(k3_ax))
     acc_ax.set(title=f"{source}: eval accuracy", xlabel="step", ylabel="greedy held-out accuracy")
     k3_ax.set(title=f"{source}: mismatch k3", xlabel="step", ylabel="k3 (nats / token)")
     if k3_ax.lines:
         k3_ax.set_yscale("log")
     for ax in (acc_ax, k3_ax):
-        if ax.lines:
+        if ax.get_legend_handles_labels()[0]:  # lines without labels draw no legend (and no warning)
             ax.legend(fontsize=7)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")

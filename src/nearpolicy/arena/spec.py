@@ -135,7 +135,7 @@ def _read(path: Path) -> dict[str, Any]:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ArenaError(f"arena file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:  # a repeated arm name is a repeated TOML key
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:  # a repeated arm name: a repeated key
         raise ArenaError(f"{path}: not a valid TOML file ({err})") from None
 
 

@@ -293,7 +293,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     text = _config_text(path)
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested deeper than Python recurses
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
@@ -317,7 +317,7 @@ def read_toml(path: Path) -> dict[str, Any]:
     text = _config_text(path)
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
+    except (tomllib.TOMLDecodeError, RecursionError) as err:  # RecursionError: nested deeper than Python recurses
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
 
 
@@ -359,7 +359,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set has an empty key part in {key!r}")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         value = raw
     return path, value
 

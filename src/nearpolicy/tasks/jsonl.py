@@ -70,6 +70,8 @@ def _read_line(data: bytes, answer_required: bool = True) -> dict | str:
         item = json.loads(raw)
     except json.JSONDecodeError as exc:
         return f"invalid JSON ({exc.msg})"
+    except RecursionError:
+        return "invalid JSON (nested deeper than Python's recursion limit)"
     if not isinstance(item, dict):
         return f"expected a JSON object, got {type(item).__name__}"
     missing = [key for key in ("prompt", "answer")[: 2 if answer_required else 1] if key not in item]
