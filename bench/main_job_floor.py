@@ -7,8 +7,10 @@ Per training step, from the run's metrics.jsonl:
 - the rollout at llama.cpp's own best rate: 2 N FLOPs per sampled token at --engine-gflops (one 512-token prefill,
   docs/bench/llamacpp-peak.md), the prompts' prefill and every per-call cost left out;
 - the weight sync and the evals as measured.
-Their sum is the floor: what the run would take with both phases at their ceilings, everything else as it was.
-Reads a package of cells (PRECISION__q8_0__sSEED; only fp32 cells: the ceiling is fp32's):
+Their sum is the floor: what the run would take with both phases at their ceilings and its sync and evals as they
+were; the rest of a step (scoring, diagnostics: "other", under 1 s a run) is left out. One update pass a step is
+assumed (algorithm.epochs = minibatches = 1; other runs are refused). Reads packages of cells
+(PRECISION__q8_0__sSEED; only the fp32 cells, since the ceiling is fp32's):
 
     .venv/bin/python bench/main_job_floor.py docs/runs/main-precision-2026-12-07.tar.gz docs/runs/main-onepass-2026-12-07.tar.gz
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from lora_table import arena_cells
@@ -32,6 +35,9 @@ def floor_row(cell: Path, args: argparse.Namespace) -> tuple[str, float, float]:
     """(markdown row, training seconds, floor seconds) of one run."""
     rows = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines() if line.strip()]
     algorithm = json.loads((cell / "config.json").read_text())["algorithm"]
+    if algorithm.get("epochs", 1) * algorithm.get("minibatches", 1) != 1:
+        raise SystemExit(f"{cell.name}: {algorithm.get('epochs', 1)} epoch(s) x {algorithm.get('minibatches', 1)} "
+                         "minibatch(es) a step; the floor counts one update pass a step")
     groups, samples = algorithm["prompts_per_step"], algorithm["prompts_per_step"] * algorithm["group_size"]
     steps = [r for r in rows if "time/step" in r]
     sums = dict.fromkeys(("update", "rollout", "sync", "update_floor", "rollout_floor"), 0.0)
@@ -65,11 +71,16 @@ def main() -> None:
     lines, totals, floors = list(HEADER), [], []
     for package in args.packages:
         with arena_cells(package) as cells:
-            for cell in sorted(c for c in cells.iterdir() if c.name.startswith("fp32")):
+            fp32 = sorted(c for c in cells.iterdir() if c.name.startswith("fp32"))
+            if not fp32:
+                print(f"{package}: no fp32 cell, left out", file=sys.stderr)
+            for cell in fp32:
                 line, total, floor = floor_row(cell, args)
                 lines.append(line)
                 totals.append(total)
                 floors.append(floor)
+    if not totals:
+        raise SystemExit("no fp32 cell in the packages given: nothing to compare with the fp32 ceiling")
     print("\n".join(lines))
     print(f"\nmean over {len(totals)} runs: training {sum(totals) / len(totals):.0f} s, "
           f"floor {sum(floors) / len(floors):.0f} s ({sum(floors) / len(floors) / 60:.2f} min)")

@@ -4,8 +4,9 @@ optimizer step at lr 0), paired in time so the machine's drift hits both alike.
 
 The update: bench/shared_prompt.py's (the main job's settings: ppo_clip, tis, micro-batches of 8, the shared-prompt
 path), 4 chain_sum prompts x G = 8 completions of random ids with lengths uniform in [--min-length, --max-length].
-Each round runs every checkout in its own process (PYTHONPATH=CHECKOUT/src): one warm-up update, then --updates
-timed; the figure per process is their mean. Prints a markdown table and the paired ratio (median over rounds).
+Each round runs every checkout in its own process (PYTHONPATH=CHECKOUT/src; the child checks that it imported that
+checkout), the order reversed every other round: one warm-up update, then --updates timed; the figure per process
+is their mean. Prints a markdown table and the paired ratio (median over rounds).
 
     .venv/bin/python bench/update_checkouts.py --checkout before=/path/to/old --checkout after=. [--rounds 3]
 """
@@ -46,7 +47,28 @@ def one_process(args: argparse.Namespace) -> None:
     timed_update(model, batch, settings, sampling, advantages)  # warm-up
     seconds = [timed_update(model, batch, settings, sampling, advantages)[0] for _ in range(args.updates)]
     tokens = sum(len(r.completion_ids) for r in rollouts)
-    print(json.dumps({"seconds": statistics.fmean(seconds), "completion_tokens": tokens}))
+    import nearpolicy
+
+    print(json.dumps({"seconds": statistics.fmean(seconds), "completion_tokens": tokens,
+                      "imported": str(Path(nearpolicy.__file__).resolve().parent.parent.parent)}))
+
+
+def parse_checkouts(specs: list[str]) -> dict[str, Path]:
+    """{NAME: resolved PATH} of the --checkout NAME=PATH arguments; exits naming the problem when one is malformed,
+    a NAME repeats, a PATH holds no src/nearpolicy or fewer than two are given."""
+    checkouts: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--checkout {spec!r}: expected NAME=PATH")
+        if name in checkouts:
+            raise SystemExit(f"--checkout {spec!r}: the name {name!r} is given twice")
+        if not (Path(path) / "src" / "nearpolicy" / "__init__.py").is_file():
+            raise SystemExit(f"--checkout {spec!r}: {path} holds no src/nearpolicy (a nearpolicy checkout's root)")
+        checkouts[name] = Path(path).resolve()
+    if len(checkouts) < 2:
+        raise SystemExit("give two or more --checkout NAME=PATH")
+    return checkouts
 
 
 def main() -> None:
@@ -64,18 +86,23 @@ def main() -> None:
     if args.one:
         one_process(args)
         return
-    checkouts = dict(spec.split("=", 1) for spec in args.checkout)
-    if len(checkouts) < 2:
-        raise SystemExit("give two or more --checkout NAME=PATH")
+    checkouts = parse_checkouts(args.checkout)
+    if args.rounds < 1 or args.updates < 1:
+        raise SystemExit("--rounds and --updates must be at least 1")
     seconds: dict[str, list[float]] = {name: [] for name in checkouts}
     child = [sys.executable, __file__, "--one", "--updates", str(args.updates), "--min-length", str(args.min_length),
              "--max-length", str(args.max_length), "--seed", str(args.seed), "--threads", str(args.threads)]
     tokens = 0
     for round_ in range(args.rounds):
-        for name, path in checkouts.items():
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(path).resolve() / "src"), str(HERE)]))
-            out = subprocess.run(child, env=env, capture_output=True, text=True, check=True).stdout
-            result = json.loads(out.strip().splitlines()[-1])
+        order = list(checkouts.items())
+        for name, path in order if round_ % 2 == 0 else order[::-1]:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path / "src"), str(HERE)]))
+            done = subprocess.run(child, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"checkout {name} ({path}) failed:\n{done.stderr[-3000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            if Path(result["imported"]) != path:
+                raise SystemExit(f"checkout {name}: the child imported nearpolicy from {result['imported']}, not {path}")
             seconds[name].append(result["seconds"])
             tokens = result["completion_tokens"]
             print(f"round {round_} {name}: {result['seconds']:.2f} s", flush=True)

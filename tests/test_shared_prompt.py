@@ -97,6 +97,23 @@ def test_logprobs_entropy_and_every_gradient_equal_the_padded_path(model, case, 
     assert grads_s["model.embed_tokens.weight"][prompt_ids].abs().sum(1).min() > 0
 
 
+def test_a_packed_group_runs_its_prompt_in_the_same_forward_only_when_the_prompt_is_no_longer(model, monkeypatch):
+    """A short prompt joins its packed completions' row (one forward, P + N rows a product); a prompt longer than the
+    N packed tokens runs first and the completions attend to its cache (the (P + N)^2 mask would cost more). The
+    case "several groups, prompts of different lengths" above checks both against the padded path."""
+    from nearpolicy.model import policy
+
+    monkeypatch.setattr("nearpolicy.model.policy.packs_completions", lambda *args: True)
+    seen = []
+    for name in ("_packed", "_packed_on_cache"):
+        run = getattr(policy, name)
+        monkeypatch.setattr(policy, name, lambda *args, run=run, name=name: seen.append(name) or run(*args))
+    _, shared = _both(_rollouts([(4, [3, 7]), (11, [2, 2, 6])]))  # 2 + 6 steps >= 4; 1 + 1 + 5 < 11
+    with torch.no_grad():
+        sequence_logprobs(model, shared, SAMPLING)
+    assert seen == ["_packed", "_packed_on_cache"]
+
+
 @pytest.mark.parametrize("shared_prompt", [False, True])
 def test_the_lm_head_runs_only_at_completion_positions_and_equals_the_full_logits(model, shared_prompt):
     """The LM head sees only the positions that predict a completion token: there the log-probs equal those of the

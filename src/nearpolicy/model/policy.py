@@ -4,13 +4,14 @@ Two ways to run a TokenBatch through the model, equal to float32 rounding:
 - padded: every row runs its prompt + completion, right-padded to the batch's longest row;
 - shared prompt (the batch has a prompt_group): per group of rows with identical prompt ids, the prompt runs once
   and the completions (all but their last token, which predicts nothing) run at positions P, P+1, ... attending to
-  that one prompt: packed, the prompt and the completions in one row [1, P + N] under a block mask (no padding, one
-  forward: matrix products of P + N rows instead of P and N); or padded, the prompt [1, P] first with its key/values
-  kept with their graph, then G rows on that cache repeated G times, padded to the group's longest (the cheaper,
-  batching.packs_completions). Causal attention makes the prompt's hidden states the same in every row, so this is
-  exact, and the gradient of all G completions flows back through the one prompt. Source: "Shared-Prompt Flash
-  Attention for Efficient RL Training with Large Rollouts and Long Contexts" (DualKV): N(P+R) tokens repacked
-  into P + NR.
+  that one prompt: packed into one row with a block mask (no padding), or padded, G rows padded to the group's
+  longest on the prompt's key/values repeated G times (the cheaper, batching.packs_completions). A packed group runs
+  its prompt in the same forward, [1, P + N], when the prompt is no longer than the N packed tokens (a short prompt's
+  own pass runs its products at a fraction of the GEMM rate: docs/bench/update-ceiling.md), else the prompt [1, P]
+  first; the padded rows always run on that prompt pass's cache, whose key/values keep their graph. Causal
+  attention makes the prompt's hidden states the same in every row, so this is exact, and the gradient of all G
+  completions flows back through the one prompt. Source: "Shared-Prompt Flash Attention for Efficient RL Training
+  with Large Rollouts and Long Contexts" (DualKV): N(P+R) tokens repacked into P + NR.
 
 The LM head then runs only at the n positions that predict a completion token. Above FULL_LOGITS_BUDGET of [n, V]
 logits (Gemma 3's V = 262144: 1 MiB a row) and without top-k / top-p, it runs chunked (ops/chunked_head.py): the
@@ -195,21 +196,24 @@ def sliding_window(config) -> int | None:
 
 def _group_hidden(model: torch.nn.Module, batch: TokenBatch, rows: torch.Tensor) -> torch.Tensor:
     """Hidden states [G, T, H] of one prompt group's rows (identical prompts of P tokens): the prompt once, the
-    completions packed beside it in one forward or padded on its key/value cache (not detached; batching.packs_completions)."""
+    completions packed beside it in one forward, packed or padded on its key/value cache (not detached; module
+    docstring, batching.packs_completions)."""
     from transformers import DynamicCache
 
     n_prompt, lengths = int(batch.prompt_lengths[rows[0]]), batch.completion_lengths[rows]
     steps = (lengths - 1).clamp_min(0)  # tokens each row runs after the prompt: its last token predicts nothing
-    prompt = batch.input_ids[rows[:1], :n_prompt]  # [1, P]
-    if int(steps.sum()) > 0 and packs_completions(steps, n_prompt, model.config.hidden_size,
-                                                  sliding_window(model.config)):
-        states, starts = _packed(model, prompt, batch.completion_ids[rows], steps)
+    prompt, completions = batch.input_ids[rows[:1], :n_prompt], batch.completion_ids[rows]  # [1, P], [G, T]
+    packed = int(steps.sum()) > 0 and packs_completions(steps, n_prompt, model.config.hidden_size,
+                                                        sliding_window(model.config))
+    if packed and n_prompt <= int(steps.sum()):
+        states, starts = _packed(model, prompt, completions, steps)
     else:
         cache = DynamicCache(config=model.config)
         states = model.base_model(input_ids=prompt, cache=cache, use_cache=True).last_hidden_state[0, -1:]  # [1, H]
         starts = torch.zeros(len(rows), dtype=torch.long)
         if int(steps.sum()) > 0:
-            completion_states, starts = _padded_rows(model, cache, batch.completion_ids[rows], steps, n_prompt)
+            run = _packed_on_cache if packed else _padded_rows
+            completion_states, starts = run(model, cache, completions, steps, n_prompt)
             states = torch.cat([states, completion_states])
     # states[0] is the prompt's last position (predicts completion token 0); token t >= 1 of a row is predicted by
     # states[starts + t]; padding reads the prompt's last
@@ -237,21 +241,45 @@ def _packed(model, prompt: torch.Tensor, completions: torch.Tensor, steps: torch
     additive mask [1, 1, P + N, P + N]), at positions P + t. Returns (hidden [1 + N, H]: the prompt's last position,
     then the N packed tokens; [G] index among the N of each row's first token)."""
     n_prompt = prompt.shape[1]
-    ids = completions[torch.arange(completions.shape[1]) < steps[:, None]]  # [N], row by row
-    row = torch.arange(len(steps)).repeat_interleave(steps)
-    starts = torch.cumsum(steps, 0) - steps
-    t = torch.arange(len(ids)) - starts[row]  # position of each packed token in its row
+    ids, row, starts, t = _packed_layout(completions, steps)
     total = n_prompt + len(ids)
     allowed = torch.zeros((total, total), dtype=torch.bool)
     allowed[:n_prompt, :n_prompt] = torch.ones((n_prompt, n_prompt), dtype=torch.bool).tril()
     allowed[n_prompt:, :n_prompt] = True
     allowed[n_prompt:, n_prompt:] = (row[:, None] == row[None, :]) & (t[None, :] <= t[:, None])
-    dtype = model.get_output_embeddings().weight.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     positions = torch.cat([torch.arange(n_prompt), n_prompt + t])
-    out = model.base_model(input_ids=torch.cat([prompt[0], ids])[None], attention_mask=mask[None, None],
+    mask = _additive(model, allowed)[None, None]
+    out = model.base_model(input_ids=torch.cat([prompt[0], ids])[None], attention_mask=mask,
                            position_ids=positions[None], use_cache=False).last_hidden_state[0]  # [P + N, H]
     return out[n_prompt - 1:], starts
+
+
+def _packed_on_cache(model, cache, completions: torch.Tensor, steps: torch.Tensor, n_prompt: int):
+    """The completions [G, T] packed into one row of N = sum(steps) tokens on the prompt's key/value cache, each
+    attending to the prompt and its own row's earlier tokens (a 4-D additive mask [1, 1, N, P + N]). Returns (hidden
+    [N, H], [G] index in it, minus 1, of each row's first token)."""
+    ids, row, starts, t = _packed_layout(completions, steps)
+    allowed = torch.cat([torch.ones((len(ids), n_prompt), dtype=torch.bool),
+                         (row[:, None] == row[None, :]) & (t[None, :] <= t[:, None])], dim=1)
+    out = model.base_model(input_ids=ids[None], attention_mask=_additive(model, allowed)[None, None],
+                           position_ids=(n_prompt + t)[None], cache=cache, use_cache=True).last_hidden_state[0]
+    return out, starts
+
+
+def _packed_layout(completions: torch.Tensor, steps: torch.Tensor):
+    """(ids [N] row by row, each token's row [N], each row's first index [G], each token's position in its row [N])
+    of the completions [G, T] packed: each row's first steps[g] tokens."""
+    ids = completions[torch.arange(completions.shape[1]) < steps[:, None]]
+    row = torch.arange(len(steps)).repeat_interleave(steps)
+    starts = torch.cumsum(steps, 0) - steps
+    return ids, row, starts, torch.arange(len(ids)) - starts[row]
+
+
+def _additive(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean attention pattern as the additive mask the model's attention takes (0 where allowed, the dtype's
+    lowest elsewhere), in its output embedding's dtype."""
+    dtype = model.get_output_embeddings().weight.dtype
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 @torch.no_grad()
