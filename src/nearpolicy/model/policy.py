@@ -195,9 +195,9 @@ def sliding_window(config) -> int | None:
 
 
 def _group_hidden(model: torch.nn.Module, batch: TokenBatch, rows: torch.Tensor) -> torch.Tensor:
-    """Hidden states [G, T, H] of one prompt group's rows (identical prompts of P tokens): the prompt once, the
-    completions packed beside it in one forward, packed or padded on its key/value cache (not detached; module
-    docstring, batching.packs_completions)."""
+    """Hidden states [G, T, H] of one prompt group's rows (identical prompts of P tokens), the prompt run once: with
+    the completions packed after it in one row when P <= the N packed tokens, else first, the completions packed or
+    padded on its key/value cache (not detached). Module docstring; batching.packs_completions picks the layout."""
     from transformers import DynamicCache
 
     n_prompt, lengths = int(batch.prompt_lengths[rows[0]]), batch.completion_lengths[rows]
