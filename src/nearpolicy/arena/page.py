@@ -185,18 +185,13 @@ def source_figure(spec: ArenaSpec, results: list[CellResult], source: str) -> by
     colours = [f"C{i % 10}" for i in range(len(spec.corrections))]
     for colour, correction in zip(colours, spec.corrections):
         mine = [r for r in results if r.source == source and r.correction == correction.name]
-        labelled: set[int] = set()  # the correction's name goes on its first line in each panel
-
-        def label(ax) -> str | None:
-            first = id(ax) not in labelled
-            labelled.add(id(ax))
-            return correction.name if first else None
-
+        named = set()  # the panels where a line already carries this correction's name
         for r in mine:
-            if r.accuracy:
-                acc_ax.plot(*zip(*r.accuracy), color=colour, marker="o", ms=3, lw=1, label=label(acc_ax))
-            if any(v > 0 for _, v in r.k3):
-                k3_ax.plot(*zip(*[(s, v) for s, v in r.k3 if v > 0]), color=colour, lw=1, label=label(k3_ax))
+            for ax, points, style in ((acc_ax, r.accuracy, {"marker": "o", "ms": 3}),
+                                      (k3_ax, [(s, v) for s, v in r.k3 if v > 0], {})):
+                if points:
+                    ax.plot(*zip(*points), color=colour, lw=1, label=None if ax in named else correction.name, **style)
+                    named.add(ax)
     acc_ax.set(title=f"{source}: eval accuracy", xlabel="step", ylabel="greedy held-out accuracy")
     k3_ax.set(title=f"{source}: mismatch k3", xlabel="step", ylabel="k3 (nats / token)")
     if k3_ax.lines:
