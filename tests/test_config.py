@@ -47,6 +47,17 @@ def test_a_config_nested_past_the_recursion_limit_is_refused_as_invalid(tmp_path
         load_config(deep_json)
 
 
+def test_an_error_names_the_set_layer_when_the_file_alone_is_valid(tmp_path):
+    """New-user finding: `--set run.stpes=2` on configs/main.toml was reported as "configs/main.toml: invalid config"."""
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text("[run]\nsteps = 3\n")
+    bad.write_text("[run]\nstpes = 3\n")
+    with pytest.raises(ConfigError, match=r"^--set on .*good\.toml: invalid config: unknown key 'run\.stpes'"):
+        load_config(good, ["run.stpes=2"])
+    with pytest.raises(ConfigError, match=r"^\S*bad\.toml: invalid config: unknown key 'run\.stpes'"):
+        load_config(bad, ["run.steps=2"])
+
+
 def test_malformed_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[run\nname=")

@@ -6,6 +6,9 @@ the run plan (training/assemble.py), never back into the config."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 from pathlib import Path
 from typing import Any, Literal
 
@@ -383,9 +386,13 @@ def stored_as_layer(data: dict[str, Any]) -> dict[str, Any]:
 
 def config_from_data(data: dict[str, Any], overrides: list[str] = (), where: Path | None = None) -> Config:
     """load_config's layers over a config dict already read (a TOML file's, or a run's config.json); `where` names
-    its file in errors. Raises ConfigError naming the offending key."""
+    its file in errors ("--set on FILE" when the file alone is valid). Raises ConfigError naming the offending key."""
+    layer = copy.deepcopy(data) if overrides else None
     apply_overrides(data, overrides, CorrectionConfig().preset, TaskConfig())
     try:
         return Config(**data)  # its __init__ turns pydantic's ValidationError into a ConfigError naming the key
     except ConfigError as err:
-        raise ConfigError(f"{where}: {err}" if where else str(err)) from None
+        blame = where
+        with contextlib.suppress(ConfigError):  # the file alone valid: the --set layer is at fault
+            blame = f"--set on {where}" if where and layer is not None and Config(**layer) else where
+        raise ConfigError(f"{blame}: {err}" if blame else str(err)) from None
