@@ -297,7 +297,8 @@ def _config(base: dict, sets: list[str], where: str, path: Path) -> Config:
     try:
         return config_from_data(copy.deepcopy(base), list(sets), path)
     except ConfigError as err:  # an arena has no --set: its hints name the arena's set lists
-        said = str(err).replace("add --set ", "add to arena.set: ").replace("--set ", "set item ")
+        said = str(err).replace("add --set ", "add to arena.set: ").replace("--set on ", "set on ").replace(
+            "--set ", "set item ")
         raise ArenaError(f"{where}: {said}") from None
 
 

@@ -387,12 +387,12 @@ def stored_as_layer(data: dict[str, Any]) -> dict[str, Any]:
 def config_from_data(data: dict[str, Any], overrides: list[str] = (), where: Path | None = None) -> Config:
     """load_config's layers over a config dict already read (a TOML file's, or a run's config.json); `where` names
     its file in errors ("--set on FILE" when the file alone is valid). Raises ConfigError naming the offending key."""
-    layer = copy.deepcopy(data) if overrides else None
+    layer = copy.deepcopy(data) if overrides and where else None  # the file alone, to tell whose error it is
     apply_overrides(data, overrides, CorrectionConfig().preset, TaskConfig())
     try:
         return Config(**data)  # its __init__ turns pydantic's ValidationError into a ConfigError naming the key
     except ConfigError as err:
         blame = where
         with contextlib.suppress(ConfigError):  # the file alone valid: the --set layer is at fault
-            blame = f"--set on {where}" if where and layer is not None and Config(**layer) else where
+            blame = f"--set on {where}" if layer is not None and Config(**layer) else where
         raise ConfigError(f"{blame}: {err}" if blame else str(err)) from None

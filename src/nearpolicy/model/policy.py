@@ -203,15 +203,15 @@ def _group_hidden(model: torch.nn.Module, batch: TokenBatch, rows: torch.Tensor)
     n_prompt, lengths = int(batch.prompt_lengths[rows[0]]), batch.completion_lengths[rows]
     steps = (lengths - 1).clamp_min(0)  # tokens each row runs after the prompt: its last token predicts nothing
     prompt, completions = batch.input_ids[rows[:1], :n_prompt], batch.completion_ids[rows]  # [1, P], [G, T]
-    packed = int(steps.sum()) > 0 and packs_completions(steps, n_prompt, model.config.hidden_size,
-                                                        sliding_window(model.config))
-    if packed and n_prompt <= int(steps.sum()):
+    n_packed = int(steps.sum())
+    packed = n_packed > 0 and packs_completions(steps, n_prompt, model.config.hidden_size, sliding_window(model.config))
+    if packed and n_prompt <= n_packed:
         states, starts = _packed(model, prompt, completions, steps)
     else:
         cache = DynamicCache(config=model.config)
         states = model.base_model(input_ids=prompt, cache=cache, use_cache=True).last_hidden_state[0, -1:]  # [1, H]
         starts = torch.zeros(len(rows), dtype=torch.long)
-        if int(steps.sum()) > 0:
+        if n_packed > 0:
             run = _packed_on_cache if packed else _padded_rows
             completion_states, starts = run(model, cache, completions, steps, n_prompt)
             states = torch.cat([states, completion_states])
@@ -242,11 +242,9 @@ def _packed(model, prompt: torch.Tensor, completions: torch.Tensor, steps: torch
     then the N packed tokens; [G] index among the N of each row's first token)."""
     n_prompt = prompt.shape[1]
     ids, row, starts, t = _packed_layout(completions, steps)
-    total = n_prompt + len(ids)
-    allowed = torch.zeros((total, total), dtype=torch.bool)
+    allowed = torch.zeros((n_prompt + len(ids),) * 2, dtype=torch.bool)
     allowed[:n_prompt, :n_prompt] = torch.ones((n_prompt, n_prompt), dtype=torch.bool).tril()
-    allowed[n_prompt:, :n_prompt] = True
-    allowed[n_prompt:, n_prompt:] = (row[:, None] == row[None, :]) & (t[None, :] <= t[:, None])
+    allowed[n_prompt:] = _completion_pattern(row, t, n_prompt)
     positions = torch.cat([torch.arange(n_prompt), n_prompt + t])
     mask = _additive(model, allowed)[None, None]
     out = model.base_model(input_ids=torch.cat([prompt[0], ids])[None], attention_mask=mask,
@@ -259,8 +257,7 @@ def _packed_on_cache(model, cache, completions: torch.Tensor, steps: torch.Tenso
     attending to the prompt and its own row's earlier tokens (a 4-D additive mask [1, 1, N, P + N]). Returns (hidden
     [N, H], [G] index in it, minus 1, of each row's first token)."""
     ids, row, starts, t = _packed_layout(completions, steps)
-    allowed = torch.cat([torch.ones((len(ids), n_prompt), dtype=torch.bool),
-                         (row[:, None] == row[None, :]) & (t[None, :] <= t[:, None])], dim=1)
+    allowed = _completion_pattern(row, t, n_prompt)
     out = model.base_model(input_ids=ids[None], attention_mask=_additive(model, allowed)[None, None],
                            position_ids=(n_prompt + t)[None], cache=cache, use_cache=True).last_hidden_state[0]
     return out, starts
@@ -273,6 +270,13 @@ def _packed_layout(completions: torch.Tensor, steps: torch.Tensor):
     row = torch.arange(len(steps)).repeat_interleave(steps)
     starts = torch.cumsum(steps, 0) - steps
     return ids, row, starts, torch.arange(len(ids)) - starts[row]
+
+
+def _completion_pattern(row: torch.Tensor, t: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    """Which keys each of the N packed completion tokens attends to, bool [N, P + N]: every prompt token, and the
+    tokens of its own row up to itself (`row`, `t` from _packed_layout)."""
+    own = (row[:, None] == row[None, :]) & (t[None, :] <= t[:, None])
+    return torch.cat([torch.ones((len(row), n_prompt), dtype=torch.bool), own], dim=1)
 
 
 def _additive(model, allowed: torch.Tensor) -> torch.Tensor:

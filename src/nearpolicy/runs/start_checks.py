@@ -89,13 +89,10 @@ def _stored_data(run_dir: Path) -> tuple[Path, dict]:
 
 def _validated(run_dir: Path, data: dict, overrides: list[str]) -> Config:
     """config.json's dict `data` with its relative paths read where the run started, `overrides` on top, as a
-    Config. Raises ConfigError naming config.json when the stored config alone fails."""
+    Config. Raises ConfigError naming config.json (config_from_data: "--set on" it when the stored config alone is
+    valid)."""
     _paths_from_where_it_started(data, run_dir)
-    try:
-        return config_from_data(copy.deepcopy(data), list(overrides), None)  # overrides edit the dict in place
-    except ConfigError as err:
-        config_from_data(data, [], run_dir / "config.json")  # the stored config alone failing: its error names it
-        raise ConfigError(f"--set on {run_dir / 'config.json'}: {err}") from None
+    return config_from_data(copy.deepcopy(data), list(overrides), run_dir / "config.json")  # overrides edit in place
 
 
 # Config keys whose value may be a path, read relative to the current folder of the start (plan.json's working_dir):
